@@ -1,0 +1,1 @@
+"""Benchmarks: each module has `run(argv: list[str]) -> dict` and prints ratio vs baseline."""

@@ -1,0 +1,23 @@
+"""`cadenza train`: the main job."""
+
+from __future__ import annotations
+
+import typer
+
+from cadenza.config import ConfigError, load_config
+
+
+def train(
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. train.steps=50"),
+    config: str = typer.Option("tiny", "--config", "-c", help="Preset name (tiny, k2) or YAML file."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in train.out_dir."),
+) -> None:
+    """Run the main job (today: pretraining of the model on the code corpus)."""
+    try:
+        cfg = load_config(config, (overrides or []) + (["train.resume=true"] if resume else []))
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    from cadenza.train.job import run_job
+
+    run_job(cfg)

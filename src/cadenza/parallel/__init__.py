@@ -1,0 +1,1 @@
+"""cadenza.parallel"""
