@@ -4,7 +4,10 @@ import sys
 
 def _cadenza(*args):
     return subprocess.run(
-        [sys.executable, "-m", "cadenza.cli.main", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cadenza.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -15,7 +15,9 @@ def test_presets_load_and_override():
 
 def test_yaml_file_with_preset(tmp_path):
     p = tmp_path / "job.yaml"
-    p.write_text("preset: tiny\ntrain:\n  steps: 12\nmodel:\n  rope_scaling:\n    type: yarn\n    factor: 4\n")
+    p.write_text(
+        "preset: tiny\ntrain:\n  steps: 12\nmodel:\n  rope_scaling:\n    type: yarn\n    factor: 4\n"
+    )
     cfg = load_config(str(p), ["train.seed=3"])
     assert cfg.train.steps == 12 and cfg.train.seed == 3
     assert cfg.model.rope_scaling.factor == 4.0

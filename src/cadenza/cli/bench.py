@@ -23,7 +23,9 @@ def available() -> list[str]:
 def bench(
     name: str = typer.Argument(..., help="Benchmark name; `cadenza bench list` shows them."),
     args: list[str] = typer.Argument(None, help="Arguments passed to the benchmark (after --)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    json_out: Path | None = typer.Option(
+        None, "--json", help="Also write the results as JSON here."
+    ),
 ) -> None:
     """Run a benchmark: prints figures against a baseline measured in the same run."""
     names = available()

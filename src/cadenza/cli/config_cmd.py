@@ -11,7 +11,9 @@ app = typer.Typer(help="Inspect configs and presets.", no_args_is_help=True)
 
 @app.command("show")
 def show(
-    config: str = typer.Option("tiny", "--config", "-c", help="Preset name (tiny, k2) or YAML file."),
+    config: str = typer.Option(
+        "tiny", "--config", "-c", help="Preset name (tiny, k2) or YAML file."
+    ),
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. train.steps=50"),
 ) -> None:
     """Print the config that `cadenza train` would run with."""

@@ -9,8 +9,12 @@ from cadenza.config import ConfigError, load_config
 
 def train(
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. train.steps=50"),
-    config: str = typer.Option("tiny", "--config", "-c", help="Preset name (tiny, k2) or YAML file."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in train.out_dir."),
+    config: str = typer.Option(
+        "tiny", "--config", "-c", help="Preset name (tiny, k2) or YAML file."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the latest checkpoint in train.out_dir."
+    ),
 ) -> None:
     """Run the main job (today: pretraining of the model on the code corpus)."""
     try:

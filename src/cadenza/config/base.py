@@ -75,7 +75,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "true",
+            "1",
+            "yes",
+            "on",
+            "false",
+            "0",
+            "no",
+            "off",
+        ):
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{path}: expected a bool, found {value!r}")
     if tp is int:
@@ -124,9 +133,7 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
     unknown = sorted(set(data) - names)
     if unknown:
         where = path or cls.__name__
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; expected some of {sorted(names)}"
-        )
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(names)}")
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
@@ -200,7 +207,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: expected a mapping at top level, found {type(data).__name__}")
+        raise ConfigError(
+            f"config file {p}: expected a mapping at top level, found {type(data).__name__}"
+        )
     return data
 
 

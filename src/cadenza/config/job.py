@@ -80,7 +80,9 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
         data = load_yaml(source)
         preset = data.pop("preset", "tiny")
         if preset not in PRESETS:
-            raise ConfigError(f"{source}: unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+            raise ConfigError(
+                f"{source}: unknown preset {preset!r}; expected one of {sorted(PRESETS)}"
+            )
         base = PRESETS[preset]()
     else:
         raise ConfigError(

@@ -62,7 +62,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         problems = []
         if self.n_routed_experts % max(self.n_group, 1):
-            problems.append(f"n_routed_experts={self.n_routed_experts} not divisible by n_group={self.n_group}")
+            problems.append(
+                f"n_routed_experts={self.n_routed_experts} not divisible by n_group={self.n_group}"
+            )
         if self.topk_group > self.n_group:
             problems.append(f"topk_group={self.topk_group} > n_group={self.n_group}")
         if self.num_experts_per_tok > self.n_routed_experts:

@@ -49,14 +49,22 @@ class Units:
             return
         if self.kind == "experts":
             if nd != 3:
-                raise ValueError(f"{name}: expert units need a [E, out, in] tensor, found shape {tuple(shape)}")
+                raise ValueError(
+                    f"{name}: expert units need a [E, out, in] tensor, found shape {tuple(shape)}"
+                )
             return
         if nd != 2:
-            raise ValueError(f"{name}: {self.kind} units need a 2-D tensor, found shape {tuple(shape)}")
+            raise ValueError(
+                f"{name}: {self.kind} units need a 2-D tensor, found shape {tuple(shape)}"
+            )
         if self.kind == "rows" and sum(self.sizes) != shape[0]:
-            raise ValueError(f"{name}: row blocks sum to {sum(self.sizes)}, but the tensor has {shape[0]} rows")
+            raise ValueError(
+                f"{name}: row blocks sum to {sum(self.sizes)}, but the tensor has {shape[0]} rows"
+            )
         if self.kind == "cols" and sum(self.sizes) != shape[1]:
-            raise ValueError(f"{name}: column blocks sum to {sum(self.sizes)}, but the tensor has {shape[1]} columns")
+            raise ValueError(
+                f"{name}: column blocks sum to {sum(self.sizes)}, but the tensor has {shape[1]} columns"
+            )
 
     def slices(self, shape: torch.Size | tuple[int, ...]) -> list[tuple[slice | int, ...]]:
         """Index tuples selecting each unit of a tensor of `shape` (in declaration order)."""
