@@ -1,0 +1,95 @@
+"""Context parallelism: the sequence split over cp ranks, attention over all-gathered K/V.
+
+Load balance (head-tail): a causal sequence of length T is cut into 2 cp chunks of T/(2 cp);
+rank i keeps chunks i and 2 cp - 1 - i. An early chunk has few keys to attend to and a late
+one many, so every rank does the same attention work:
+
+    T = 8, cp = 2:  chunks [0 1][2 3][4 5][6 7]  ->  rank 0: 0 1 6 7,  rank 1: 2 3 4 5
+
+Each rank runs the model on its tokens with their true `positions` (RoPE and the causal
+mask use them). Attention all-gathers what keys and values are made from (for MLA, the
+small latent and the rotary key part) with their positions, and masks key j for query i
+unless pos_k[j] <= pos_q[i]. The all-gather's backward is a reduce-scatter (sum), so each
+rank gets the gradient of its own tokens from every rank's queries: gradients equal the
+single-process run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def load_balanced_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """[cp, seq_len / cp] positions each cp rank holds (head-tail split)."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"rule 'sequence length divisible by 2 x cp': seq_len={seq_len} cannot be split "
+            f"into {2 * cp} equal chunks for cp={cp}; pad the batch to a multiple of {2 * cp}"
+        )
+    chunks = torch.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
+    return torch.cat([chunks[:cp], chunks[cp:].flip(0)], dim=1)
+
+
+def split_sequence(
+    x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of `x` along `dim`, and the positions it holds ([T / cp])."""
+    positions = load_balanced_positions(x.shape[dim], cp)[cp_rank]
+    return x.index_select(dim, positions.to(x.device)), positions
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Concatenate every rank's tensor along `dim`; backward reduce-scatters (sums) grads."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, group):
+        ctx.dim, ctx.group = dim, group
+        n = dist.get_world_size(group)
+        front = x.movedim(dim, 0).contiguous()
+        out = front.new_empty((n * front.shape[0], *front.shape[1:]))
+        dist.all_gather_into_tensor(out, front, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = dist.get_world_size(ctx.group)
+        front = grad.movedim(ctx.dim, 0).contiguous()
+        out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Autograd-aware all-gather of the sequence dimension over the cp group (rank order)."""
+    return _GatherSequence.apply(x, dim, group)
+
+
+class KVGather:
+    """The attention hook for CP: `kv_gather(*tensors, positions)` -> (*gathered, key_positions).
+
+    `tensors` share the sequence dimension `dim` (e.g. MLA's normalized latent [B, T, r] and
+    rotary key [B, T, d]); `positions` [T] or [B, T] are their positions. The model calls the
+    hook where keys/values are formed; without CP it is absent and nothing is gathered.
+    """
+
+    def __init__(self, group, dim: int = 1) -> None:
+        self.group, self.dim = group, dim
+
+    def __call__(self, *tensors: torch.Tensor, positions: torch.Tensor):
+        gathered = tuple(gather_sequence(t, self.group, self.dim) for t in tensors)
+        return (*gathered, _gather_plain(positions, self.group, positions.ndim - 1))
+
+
+def _gather_plain(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """All-gather without autograd (integer positions)."""
+    n = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((n * front.shape[0], *front.shape[1:]))
+    dist.all_gather_into_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [..., Tq, Tk], True where query i may attend key j (pos_k <= pos_q)."""
+    return k_positions.unsqueeze(-2) <= q_positions.unsqueeze(-1)
