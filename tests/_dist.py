@@ -15,6 +15,7 @@ well under a second instead of one torch import per rank (~20 s for 8 ranks on 2
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -57,6 +58,13 @@ def _child(
     args: tuple,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated collective names
+    import logging
+
+    # full_tensor() of strided expert shards warns that it needs two all-gathers
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     import torch
     import torch.distributed as dist
 
@@ -71,7 +79,9 @@ def _child(
             timeout=timedelta(seconds=pg_timeout),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # plain pickle bytes: torch's queue would share tensors through this process's
+        # memory, which is gone once it exits
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # report everything, including KeyboardInterrupt from a kill
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -132,7 +142,7 @@ def run_distributed(
                         first_error_at = first_error_at or time.monotonic()
                     continue
                 if status == "ok":
-                    outputs[rank] = payload
+                    outputs[rank] = pickle.loads(payload)
                 else:
                     errors[rank] = payload
                     first_error_at = first_error_at or time.monotonic()

@@ -19,6 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed these (the old names warn); keep working on older torch too.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def load_balanced_positions(seq_len: int, cp: int) -> torch.Tensor:
     """[cp, seq_len / cp] positions each cp rank holds (head-tail split)."""
@@ -48,7 +52,7 @@ class _GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(group)
         front = x.movedim(dim, 0).contiguous()
         out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-        dist.all_gather_into_tensor(out, front, group=group)
+        _all_gather(out, front, group=group)
         return out.movedim(0, dim)
 
     @staticmethod
@@ -56,7 +60,7 @@ class _GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         front = grad.movedim(ctx.dim, 0).contiguous()
         out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
-        dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter(out, front, op=dist.ReduceOp.SUM, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None
 
 
@@ -86,7 +90,7 @@ def _gather_plain(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
+    _all_gather(out, front, group=group)
     return out.movedim(0, dim)
 
 
