@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_distributed
-from test_parallel_layouts import _batch, toy_model
+from test_parallel_layouts import _batch, tiny_cadenza_model
 
 SAVE_LAYOUT = dict(shard=4, cp=2, ep=8, expert_shard=1)
 LOAD_LAYOUT = dict(replicate=2, shard=2, expert_shard=2, ep=2)
@@ -65,12 +65,12 @@ def _diff(a: dict, b: dict) -> dict[str, float]:
 def _save_and_round_trip(rank, ws, path):
     from cadenza.parallel import checkpoint
 
-    model, optim, meshes = _build(SAVE_LAYOUT, 0, toy_model)
+    model, optim, meshes = _build(SAVE_LAYOUT, 0, tiny_cadenza_model)
     for _ in range(2):
         _train_step(model, optim, meshes)
     saved = _snapshot(model, optim)
     checkpoint.save(path, model, optim, extra={"step": 2})
-    fresh, fresh_optim, _ = _build(SAVE_LAYOUT, 1, toy_model)
+    fresh, fresh_optim, _ = _build(SAVE_LAYOUT, 1, tiny_cadenza_model)
     meta = checkpoint.load(path, fresh, fresh_optim)
     assert meta == {"step": 2}
     return saved if rank == 0 else None, max(_diff(saved, _snapshot(fresh, fresh_optim)).values())
@@ -79,7 +79,7 @@ def _save_and_round_trip(rank, ws, path):
 def _reshard_load(rank, ws, path, saved):
     from cadenza.parallel import checkpoint
 
-    model, optim, meshes = _build(LOAD_LAYOUT, 1, toy_model)
+    model, optim, meshes = _build(LOAD_LAYOUT, 1, tiny_cadenza_model)
     checkpoint.load(path, model, optim)
     errs = _diff(saved, _snapshot(model, optim))
     _train_step(model, optim, meshes)  # the restored state is usable for training
@@ -102,4 +102,4 @@ def test_load_rejects_a_directory_that_is_not_a_checkpoint(tmp_path):
     from cadenza.parallel import checkpoint
 
     with pytest.raises(FileNotFoundError, match="not a cadenza distributed checkpoint"):
-        checkpoint.load(tmp_path, toy_model())
+        checkpoint.load(tmp_path, tiny_cadenza_model())

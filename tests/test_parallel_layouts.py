@@ -29,10 +29,32 @@ LAYOUTS_4 = {
 }
 
 
-def toy_model():
-    from _toy_model import ToyLM
+def tiny_cadenza_model():
+    """cadenza.model.CausalLM, miniature: one dense block, one MoE block, MLA with q_lora."""
+    from cadenza.config.model import ModelConfig
+    from cadenza.model import CausalLM
 
-    return ToyLM(vocab=64, d=16, heads=2, i=8, e=8, k=2, layers=2)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        initializer_range=0.2,
+    )
+    return CausalLM(cfg)
 
 
 def _batch(b=8, t=8, vocab=64):
@@ -58,12 +80,19 @@ def compare_layouts(rank, ws, layouts, factory):
     import torch.distributed as dist
 
     from cadenza.config.parallel import ParallelConfig
-    from cadenza.parallel import global_token_count, init_distributed, parallelize, shard_batch
+    from cadenza.parallel import (
+        clip_grad_norm_,
+        global_token_count,
+        init_distributed,
+        parallelize,
+        shard_batch,
+    )
 
     torch.manual_seed(0)
     base = factory()
     ids, labels = _batch()
     ref_loss, ref_grads = _reference(copy.deepcopy(base), ids, labels)
+    ref_norm = torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values())).item()
     out = {}
     for name, degrees in layouts.items():
         cfg = ParallelConfig(**degrees)
@@ -87,6 +116,12 @@ def compare_layouts(rank, ws, layouts, factory):
             names.add(pname)
             errs[pname] = (_full(p.grad) - ref_grads[pname]).abs().max().item()
         assert names == set(ref_grads), f"{name}: parameter names changed: {names ^ set(ref_grads)}"
+        # one global norm over both meshes; clipping to half of it halves every gradient
+        norm = clip_grad_norm_(model.parameters(), 0.5 * ref_norm)
+        errs["grad_norm"] = abs(norm.item() - ref_norm)
+        for pname, p in model.named_parameters():
+            want = ref_grads[pname] * (0.5 * ref_norm / (ref_norm + 1e-6))
+            errs[f"clipped {pname}"] = (_full(p.grad) - want).abs().max().item()
         out[name] = errs
     return out
 
@@ -98,12 +133,12 @@ def _check(results):
             assert errs[worst] <= 1e-5, f"rank {rank} layout {layout}: {worst} off by {errs[worst]}"
 
 
-def _toy_layouts(rank, ws):
-    return compare_layouts(rank, ws, LAYOUTS_8 if ws == 8 else LAYOUTS_4, toy_model)
+def _model_layouts(rank, ws):
+    return compare_layouts(rank, ws, LAYOUTS_8 if ws == 8 else LAYOUTS_4, tiny_cadenza_model)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_toy_layouts_match_single_process(world_size):
-    _check(run_distributed(_toy_layouts, world_size, timeout=300))
+def test_layouts_match_single_process(world_size):
+    _check(run_distributed(_model_layouts, world_size, timeout=300))

@@ -146,10 +146,9 @@ def _context_parallel_case(rank, ws):
 
     def attend(x, q_pos, gather=None):
         q, k, v = proj(x).view(b, -1, 3, heads, d // heads).unbind(2)
-        k_pos = q_pos
+        mask = causal_mask(q_pos, q_pos)
         if gather is not None:
-            k, v, k_pos = gather(k, v, positions=q_pos)
-        mask = causal_mask(q_pos, k_pos)
+            k, v, mask = gather(k, v, None)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
         )

@@ -6,7 +6,12 @@ model = parallelize(model, cfg.parallel, meshes)
 
 from cadenza.parallel.grad import clip_grad_norm_, global_token_count
 from cadenza.parallel.mesh import LayoutError, Meshes, build_meshes, check_layout, describe
-from cadenza.parallel.parallelize import init_distributed, parallelize, shard_batch
+from cadenza.parallel.parallelize import (
+    init_distributed,
+    parallelize,
+    shard_batch,
+    sync_expert_loads,
+)
 
 __all__ = [
     "LayoutError",
@@ -19,4 +24,5 @@ __all__ = [
     "init_distributed",
     "parallelize",
     "shard_batch",
+    "sync_expert_loads",
 ]

@@ -70,28 +70,34 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 
 
 class KVGather:
-    """The attention hook for CP: `kv_gather(*tensors, positions)` -> (*gathered, key_positions).
+    """The attention hook for CP: `kv_gather(c_kv, k_pe, mask)` -> the same over the sequence.
 
-    `tensors` share the sequence dimension `dim` (e.g. MLA's normalized latent [B, T, r] and
-    rotary key [B, T, d]); `positions` [T] or [B, T] are their positions. The model calls the
-    hook where keys/values are formed; without CP it is absent and nothing is gathered.
+    The two tensors (for MLA the normalized latent [B, T, r] and the rotary key [B, T, d];
+    any two [B, T, ...] tensors keys and values are made from) are all-gathered along the
+    sequence, and the mask [1, 1, T_local, T] is built from the head-tail positions: query i
+    may attend key j iff pos_k[j] <= pos_q[i]. Only unpadded (packed) sequences are split,
+    so an incoming padding mask is an error.
     """
 
     def __init__(self, group, dim: int = 1) -> None:
         self.group, self.dim = group, dim
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
 
-    def __call__(self, *tensors: torch.Tensor, positions: torch.Tensor):
-        gathered = tuple(gather_sequence(t, self.group, self.dim) for t in tensors)
-        return (*gathered, _gather_plain(positions, self.group, positions.ndim - 1))
-
-
-def _gather_plain(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """All-gather without autograd (integer positions)."""
-    n = dist.get_world_size(group)
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-    _all_gather(out, front, group=group)
-    return out.movedim(0, dim)
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None):
+        if mask is not None:
+            raise ValueError(
+                "context parallelism splits unpadded sequences, but attention got a padding "
+                "mask; pack the batch (no `valid`) or run with parallel.cp=1"
+            )
+        local = a.shape[self.dim]
+        table = load_balanced_positions(local * self.cp, self.cp).to(a.device)
+        mask = causal_mask(table[self.rank], table.flatten())[None, None]
+        return (
+            gather_sequence(a, self.group, self.dim),
+            gather_sequence(b, self.group, self.dim),
+            mask,
+        )
 
 
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,11 @@ class ExpertParallel(nn.Module):
         self._template = [experts]  # a list, so the template is not a registered submodule
         self._names = names
 
+    def param_units(self) -> dict:
+        """The wrapped module's natural-unit declaration (one unit per expert), unchanged."""
+        template = self._template[0]
+        return template.param_units() if hasattr(template, "param_units") else {}
+
     def local_weights(self) -> dict[str, torch.Tensor]:
         out = {}
         for n in self._names:

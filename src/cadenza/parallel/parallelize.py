@@ -98,11 +98,12 @@ def shard_batch(
     """This rank's rows (split over dp = replicate x shard) and sequence part (over cp).
 
     `input_ids` and `labels` are the global batch [B, T], labels already shifted (label t is
-    the target for input t). Returns (ids, labels, positions) with positions [T / cp].
+    the target for input t). Returns (ids, labels, positions) with positions [1, T / cp]
+    (the model's RoPE positions, shared by the rows).
     """
     b, t = input_ids.shape
     if meshes is None:
-        return input_ids, labels, torch.arange(t)
+        return input_ids, labels, torch.arange(t)[None]
     layout = meshes.layout
     if b % layout.dp:
         raise ValueError(
@@ -117,4 +118,21 @@ def shard_batch(
     cp_rank = meshes.dense.get_local_rank("cp")
     ids, positions = split_sequence(ids, cp_rank, layout.cp)
     lab, _ = split_sequence(lab, cp_rank, layout.cp)
-    return ids, lab, positions
+    return ids, lab, positions[None]
+
+
+def sync_expert_loads(model: nn.Module, group=None) -> None:
+    """Sum each MoE layer's `tokens_per_expert` over ranks (before the router-bias update).
+
+    Every rank counts only the tokens it routed; the aux-loss-free balancing rule needs the
+    global load, the same on all ranks, so all ranks make the same bias update.
+    """
+    loads = [m.tokens_per_expert for m in model.modules() if hasattr(m, "tokens_per_expert")]
+    if not loads or not dist.is_initialized():
+        return
+    flat = torch.cat([x.reshape(-1) for x in loads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for x in loads:
+        x.copy_(flat[offset : offset + x.numel()].view_as(x))
+        offset += x.numel()
