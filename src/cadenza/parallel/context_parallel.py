@@ -19,9 +19,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed these (the old names warn); keep working on older torch too.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather(out, inp, group):
+    # torch 2.13 renamed it (the old name warns); looked up per call so tools can wrap it
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group)
+
+
+def _reduce_scatter(out, inp, op, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=op, group=group)
 
 
 def load_balanced_positions(seq_len: int, cp: int) -> torch.Tensor:
