@@ -26,11 +26,6 @@ from cadenza.train.pretrain import PretrainError, pretrain
 
 pytestmark = pytest.mark.slow
 
-import cadenza.model  # noqa: E402
-
-if not hasattr(cadenza.model, "generate"):  # transitional: until the model lands on main
-    pytest.skip("cadenza.model.CausalLM/generate not merged yet", allow_module_level=True)
-
 STEPS = 30
 TINIER = [
     "model.vocab_size=512",

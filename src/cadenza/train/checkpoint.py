@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadenza.model import CheckpointError, from_pretrained, save_pretrained
 from cadenza.model.tokenizer import Tokenizer, TokenizerError
 
 CHECKPOINTS = "checkpoints"
@@ -33,10 +34,6 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8})$")
 REQUIRED_FILES = ("config.json", "tokenizer.json", STATE_FILE)
 STATE_KEYS = ("format", "step", "data_position", "optimizer", "rng", "model_config")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message says which, why, and what to do."""
 
 
 def checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
@@ -61,6 +58,15 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
+__all__ = [
+    "CheckpointError",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+
 def save_checkpoint(
     out_dir: str | os.PathLike,
     step: int,
@@ -70,8 +76,6 @@ def save_checkpoint(
     keep: int = 0,
 ) -> Path:
     """Write the checkpoint for `step` atomically; keep only the newest `keep` (0: all)."""
-    from cadenza.model import save_pretrained
-
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
@@ -113,8 +117,6 @@ def _what_to_do(path: Path) -> str:
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, Tokenizer, dict[str, Any]]:
     """(model, tokenizer, trainer state) of a checkpoint directory, each checked."""
-    from cadenza.model import from_pretrained
-
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist; {_what_to_do(p)}")
@@ -149,7 +151,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, Tokenizer, dict
         raise CheckpointError(f"checkpoint {p}: {e}; {_what_to_do(p)}") from e
     try:
         model = from_pretrained(p)
-    except Exception as e:
+    except Exception as e:  # CheckpointError from hf_io, or safetensors' own errors
         raise CheckpointError(
             f"checkpoint {p}: the model cannot be loaded ({type(e).__name__}: {e}); "
             f"{_what_to_do(p)}"

@@ -37,6 +37,7 @@ from cadenza.config import Config, to_dict
 from cadenza.config.model import ModelConfig
 from cadenza.log.metrics import MetricsWriter, truncate_after
 from cadenza.log.progress import Progress
+from cadenza.model import CausalLM, generate
 from cadenza.model.tokenizer import Tokenizer, read_texts, train_tokenizer
 from cadenza.model.units import param_units
 from cadenza.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -118,13 +119,6 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)
-
-
-def _update_expert_bias(model: nn.Module) -> None:
-    """Aux-loss-free balancing: nudge each MoE layer's routing bias after the step."""
-    fn = getattr(model, "update_expert_bias", None)
-    if callable(fn):
-        fn()
 
 
 def _config_diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -239,8 +233,6 @@ def model_config_for(cfg: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
 def generate_sample(
     model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, seed: int
 ) -> str:
-    from cadenza.model import generate
-
     ids = tokenizer.encode(prompt, add_bos=True, allow_special=False)
     model.eval()
     (gen,) = generate(
@@ -257,8 +249,6 @@ def generate_sample(
 
 def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainResult:
     """Run (or resume, with cfg.train.resume) the pretraining job described by `cfg`."""
-    from cadenza.model import CausalLM
-
     tcfg = cfg.train
     out = Path(tcfg.out_dir)
     torch.set_num_threads(tcfg.threads if tcfg.threads > 0 else cpu_count())
@@ -365,7 +355,7 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
             clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
             optimizer.step()
-            _update_expert_bias(model)
+            model.update_router_biases()  # aux-loss-free balancing from this step's loads
             step += 1
             position += 1
             first_loss = loss_value if first_loss is None else first_loss
