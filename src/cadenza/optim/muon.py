@@ -47,12 +47,12 @@ def unit_scale(rows: int, cols: int, adjust_lr: AdjustLR | None = "original") ->
         return math.sqrt(max(1, rows / cols))
     if adjust_lr == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(
-        f"adjust_lr: expected 'original' or 'match_rms_adamw', found {adjust_lr!r}"
-    )
+    raise ValueError(f"adjust_lr: expected 'original' or 'match_rms_adamw', found {adjust_lr!r}")
 
 
-def muon_direction(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+def muon_direction(
+    grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool
+) -> Tensor:
     """Update the momentum buffer in place (M <- mu M + (1 - mu) G) and return the NS input V."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
@@ -303,7 +303,9 @@ class Muon(torch.optim.Optimizer):
             for p, g in zip(params, grads):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(
+                        g, memory_format=torch.preserve_format
+                    )
                 bufs.append(state["momentum_buffer"])
             mu = group["momentum"]
             torch._foreach_lerp_(bufs, grads, 1 - mu)

@@ -21,7 +21,6 @@ unit orthogonalized in any batch gives the same bits.
 
 from __future__ import annotations
 
-from itertools import chain, repeat
 from typing import Literal
 
 import torch
@@ -61,7 +60,9 @@ def ns_coefficients(
     if coefficients == "quintic":
         return [QUINTIC] * steps
     if coefficients == "polar_express":
-        return list(chain(POLAR_EXPRESS[:steps], repeat(POLAR_EXPRESS[-1])))[:steps]
+        return list(POLAR_EXPRESS[:steps]) + [POLAR_EXPRESS[-1]] * max(
+            0, steps - len(POLAR_EXPRESS)
+        )
     if isinstance(coefficients, tuple) and len(coefficients) == 3:
         return [tuple(float(v) for v in coefficients)] * steps  # type: ignore[list-item]
     raise ValueError(
