@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
+from cadenza.config.optim import OptimConfig
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
 
 
 def tiny() -> Config:
@@ -71,6 +73,7 @@ def k2() -> Config:
         tokenizer=TokenizerConfig(vocab_size=163840),
         data=DataConfig(seq_len=4096, batch_size=1),
         train=TrainConfig(out_dir="runs/k2"),
+        optim=OptimConfig(qk_clip=True),
     )
 
 
