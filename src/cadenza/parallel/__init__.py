@@ -8,9 +8,11 @@ from cadenza.parallel.grad import clip_grad_norm_, global_token_count
 from cadenza.parallel.mesh import LayoutError, Meshes, build_meshes, check_layout, describe
 from cadenza.parallel.parallelize import (
     init_distributed,
+    parallel_lm_loss,
     parallelize,
     shard_batch,
     sync_expert_loads,
+    sync_max_logits,
 )
 
 __all__ = [
@@ -22,7 +24,9 @@ __all__ = [
     "describe",
     "global_token_count",
     "init_distributed",
+    "parallel_lm_loss",
     "parallelize",
     "shard_batch",
     "sync_expert_loads",
+    "sync_max_logits",
 ]
