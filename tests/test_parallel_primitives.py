@@ -81,33 +81,42 @@ class ToyExperts(nn.Module):
         return torch.cat(outs)
 
 
-def _rank_tokens(rank: int, e: int, h: int):
+def _rank_tokens(rank: int, e: int, h: int, skewed: bool):
+    """Uneven token counts; odd experts get none. Skewed: rank 0 sends nothing and every
+    token goes to experts 0 and 2, so the second rank of each ep group receives nothing."""
     g = torch.Generator().manual_seed(100 + rank)
-    n = 3 + 2 * rank
+    n = 2 * rank if skewed else 3 + 2 * rank
     x = torch.randn(n, h, generator=g)
-    expert = torch.randint(0, e // 2, (n,), generator=g) * 2  # odd experts get no tokens
+    expert = torch.randint(0, 2 if skewed else e // 2, (n,), generator=g) * 2
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=e)
     w = torch.randn(n, h, generator=g)
     return x[order], counts, w
 
 
-def _expert_parallel_case(rank, ws):
+def _maxerr(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def _expert_parallel_case(rank, ws, skewed):
+    """The model's own Experts (grouped matmuls) wrapped for EP vs a plain per-expert loop."""
+    from cadenza.model.moe import Experts
     from cadenza.parallel.expert_parallel import ExpertParallel
     from cadenza.parallel.mesh import build_meshes
 
-    e, h, i = 8, 6, 5
+    e, h, i = 8, 8, 4
     meshes = build_meshes(ws, dense=dict(shard=ws), expert=dict(replicate=2, ep=ws // 2))
     ep_mesh = meshes.expert["ep"]
     torch.manual_seed(0)
     full = ToyExperts(e, h, i)
-    ep_mod = ExpertParallel(ToyExperts(e, h, i).requires_grad_(True), ep_mesh)
+    ep_mod = ExpertParallel(Experts(e, h, i), ep_mesh)
     with torch.no_grad():
         for n in ("w_gate", "w_up", "w_down"):
             getattr(ep_mod, n).to_local().copy_(
                 getattr(full, n).chunk(ep_mesh.size())[ep_mesh.get_local_rank()]
             )
-    x, counts, w = _rank_tokens(rank, e, h)
+    x, counts, w = _rank_tokens(rank, e, h, skewed)
     x = x.requires_grad_(True)
     y = ep_mod(x, counts)
     (y * w).sum().backward()
@@ -118,16 +127,16 @@ def _expert_parallel_case(rank, ws):
     group = ep_mesh.mesh.tolist()
     for r in group:
         if r != rank:
-            xr, cr, wr = _rank_tokens(r, e, h)
+            xr, cr, wr = _rank_tokens(r, e, h, skewed)
             (full(xr, cr) * wr).sum().backward()
         else:
             (full(x.detach(), counts) * w).sum().backward()
     lo = ep_mesh.get_local_rank() * (e // ep_mesh.size())
-    errs = {"y": (y - y_ref).abs().max().item(), "x.grad": (x.grad - x_ref.grad).abs().max().item()}
+    errs = {"y": _maxerr(y, y_ref), "x.grad": _maxerr(x.grad, x_ref.grad)}
     for n in ("w_gate", "w_up", "w_down"):
         got = getattr(ep_mod, n).grad.to_local()
         want = getattr(full, n).grad[lo : lo + e // ep_mesh.size()]
-        errs[n] = (got - want).abs().max().item()
+        errs[n] = _maxerr(got, want)
     return errs
 
 
@@ -175,7 +184,11 @@ def _context_parallel_case(rank, ws):
 
 
 def _primitives(rank, ws):
-    return {"ep": _expert_parallel_case(rank, ws), "cp": _context_parallel_case(rank, ws)}
+    return {
+        "ep": _expert_parallel_case(rank, ws, skewed=False),
+        "ep, empty ranks": _expert_parallel_case(rank, ws, skewed=True),
+        "cp": _context_parallel_case(rank, ws),
+    }
 
 
 @pytest.mark.distributed
