@@ -165,8 +165,46 @@ def _check(results):
             assert errs[worst] <= tol, f"rank {rank} layout {layout}: {worst} off by {errs[worst]}"
 
 
+def meta_init_case(rank, ws):
+    """Build on meta, parallelize, initialize shards: experts distinct, replicas equal."""
+    import torch.distributed as dist
+
+    from cadenza.config.parallel import ParallelConfig
+    from cadenza.parallel import init_distributed, parallel_lm_loss, parallelize
+    from cadenza.parallel.materialize import init_sharded_weights
+
+    with torch.device("meta"):
+        model = tiny_cadenza_model()
+    cfg = ParallelConfig(replicate=2, shard=2, expert_replicate=2, ep=2, expert_shard=1)
+    meshes = init_distributed(cfg, n_routed_experts=8)
+    model = parallelize(model, cfg, meshes)
+    init_sharded_weights(model, seed=0)
+    out = {}
+    experts = _full(model.layers[1].mlp.experts.w_gate.detach())
+    flat = experts.flatten(1)
+    out["distinct experts"] = len({tuple(row.tolist()) for row in flat}) == flat.shape[0]
+    out["std"] = experts.std().item()
+    same = []
+    for name, p in model.named_parameters():
+        local = p.detach().to_local().contiguous()
+        for mesh_dim in ("dp_replicate",) if "experts" not in name else ("edp_replicate",):
+            mesh = meshes.dense if mesh_dim == "dp_replicate" else meshes.expert
+            peers = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(peers, local, group=mesh[mesh_dim].get_group())
+            same.append(torch.equal(peers[0], peers[1]))
+    out["replicas equal"] = all(same)
+    ids, labels = _batch()
+    parallel_lm_loss(model, ids, labels, meshes).backward()  # trains
+    return out
+
+
 def _model_layouts(rank, ws):
-    return compare_layouts(rank, ws, LAYOUTS_8 if ws == 8 else LAYOUTS_4, tiny_cadenza_model)
+    out = compare_layouts(rank, ws, LAYOUTS_8 if ws == 8 else LAYOUTS_4, tiny_cadenza_model)
+    if ws == 4:
+        meta = meta_init_case(rank, ws)
+        assert meta["distinct experts"] and meta["replicas equal"], meta
+        assert abs(meta["std"] - 0.2) < 0.05, meta  # initializer_range of the tiny config
+    return out
 
 
 @pytest.mark.distributed
