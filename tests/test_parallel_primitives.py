@@ -231,3 +231,19 @@ def test_invalid_layout_fails_on_every_rank_before_any_collective():
         match=r"ranks \[\d, \d, \d\] failed too[\s\S]*expert: replicate x shard x ep",
     ):
         run_distributed(_bad_layout, 4, timeout=60, grace=20)
+
+
+def test_clip_grad_norm_matches_torch_on_plain_tensors():
+    from cadenza.parallel import clip_grad_norm_, global_token_count
+
+    a = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    got = clip_grad_norm_(a, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(b, 0.5)
+    assert torch.allclose(got, want)
+    for p, q in zip(a, b):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    assert global_token_count(17) == 17  # one process: nothing to sum
