@@ -247,3 +247,20 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
     for p, q in zip(a, b):
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
     assert global_token_count(17) == 17  # one process: nothing to sum
+
+
+def test_cli_plan_prints_groups_and_rejects_bad_layouts():
+    import subprocess
+    import sys
+
+    def plan(*args):
+        cmd = [sys.executable, "-m", "cadenza.cli.main", "parallel", "plan", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    ok = plan("8", "parallel.shard=4", "parallel.cp=2", "parallel.ep=8", "parallel.expert_shard=1")
+    assert ok.returncode == 0, ok.stderr
+    assert "cp             [[0, 1], [2, 3], [4, 5], [6, 7]]" in ok.stdout
+    assert "ep             [[0, 1, 2, 3, 4, 5, 6, 7]]" in ok.stdout
+    bad = plan("8", "parallel.ep=16", "parallel.expert_shard=1")
+    assert bad.returncode == 2
+    assert "expert: replicate x shard x ep = world size" in bad.stderr
