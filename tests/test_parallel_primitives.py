@@ -250,17 +250,17 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
 
 
 def test_cli_plan_prints_groups_and_rejects_bad_layouts():
-    import subprocess
-    import sys
+    from typer.testing import CliRunner
+
+    from cadenza.cli.main import app
 
     def plan(*args):
-        cmd = [sys.executable, "-m", "cadenza.cli.main", "parallel", "plan", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        return CliRunner().invoke(app, ["parallel", "plan", *args])
 
     ok = plan("8", "parallel.shard=4", "parallel.cp=2", "parallel.ep=8", "parallel.expert_shard=1")
-    assert ok.returncode == 0, ok.stderr
-    assert "cp             [[0, 1], [2, 3], [4, 5], [6, 7]]" in ok.stdout
-    assert "ep             [[0, 1, 2, 3, 4, 5, 6, 7]]" in ok.stdout
+    assert ok.exit_code == 0, ok.output
+    assert "cp             [[0, 1], [2, 3], [4, 5], [6, 7]]" in ok.output
+    assert "ep             [[0, 1, 2, 3, 4, 5, 6, 7]]" in ok.output
     bad = plan("8", "parallel.ep=16", "parallel.expert_shard=1")
-    assert bad.returncode == 2
-    assert "expert: replicate x shard x ep = world size" in bad.stderr
+    assert bad.exit_code == 2
+    assert "expert: replicate x shard x ep = world size" in bad.output
