@@ -1,0 +1,319 @@
+"""Run one command in isolation: `run(argv, workspace)` and the reusable `Sandbox`.
+
+The launch chain is `[sh -c 'join pids cgroup; exec "$@"'] prlimit --LIMITS -- bwrap
+LAYOUT -- argv`: each step execs the next, so the limits and the cgroup apply to bwrap
+and everything it starts, and the Python runner never forks a copy of itself (the spawn
+stays vfork-cheap inside a large trainer process).
+
+Timeout: the runner SIGKILLs bwrap; `--die-with-parent` then kills the sandbox's pid-1,
+and the kernel kills every process of the pid namespace with it (double-forked daemons
+included); the cgroup, when there is one, is emptied as a last sweep.
+
+Exit status follows the shell: 128+N when the command died of signal N, 124 when the
+wall-clock timeout ended it (as timeout(1) does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cadenza.sandbox import bwrap as bw
+from cadenza.sandbox import cgroup
+from cadenza.sandbox.limits import Limits, apply_rlimits, prlimit_argv, rlimits
+from cadenza.sandbox.output import decode, pump
+
+TIMEOUT_STATUS = 124
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class SandboxError(RuntimeError):
+    """A sandbox that cannot be set up as asked (bad workspace, bad path, ...)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """bubblewrap is missing or cannot isolate here, and `unsafe` was not given."""
+
+
+class UnsafeSandboxWarning(UserWarning):
+    """A command runs without isolation (explicit `unsafe=True` / `--unsafe`)."""
+
+
+class DegradedSandboxWarning(UserWarning):
+    """The sandbox runs, but this machine cannot isolate some things (see the message)."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    returncode: int  # 128+N for death by signal N; 124 on timeout
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    truncated: bool  # stdout or stderr went past Limits.output_bytes; the rest was dropped
+    killed_by: str | None  # "timeout", or the signal's name ("SIGXCPU", "SIGKILL", ...)
+    sandboxed: bool = True  # False when run with unsafe=True
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def default_env(home: str = bw.HOME) -> dict[str, str]:
+    """The whole environment a command starts with; nothing is inherited from the host."""
+    return {
+        "PATH": SAFE_PATH,
+        "HOME": home,
+        "USER": bw.USER,
+        "LOGNAME": bw.USER,
+        "LANG": "C.UTF-8",
+        "TMPDIR": "/tmp",
+        "TERM": "dumb",
+        "SHELL": "/bin/sh",
+    }
+
+
+def _signal_name(status: int) -> str | None:
+    if status <= 128:
+        return None
+    try:
+        return signal.Signals(status - 128).name
+    except ValueError:
+        return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, category: type[Warning]) -> None:
+    # warnings.warn already de-duplicates per call site; this also tells CLI users on stderr.
+    if message not in _warned:
+        _warned.add(message)
+        print(f"cadenza.sandbox: warning: {message}", file=sys.stderr)
+    warnings.warn(message, category, stacklevel=3)
+
+
+class Sandbox:
+    """A workspace and its limits, for running many commands the same way.
+
+    `Sandbox(ws).run(["python", "-m", "pytest"])` runs the command in `ws` (seen at the
+    same absolute path, the only writable place besides a private /tmp), with no network,
+    no host secrets, a clean environment and the limits in `limits`.
+    """
+
+    def __init__(
+        self,
+        workspace: Path | str,
+        *,
+        timeout: float = 60,
+        memory_mb: int | None = None,
+        env: Mapping[str, str] | None = None,
+        ro_binds: Sequence[Path | str] = (),
+        unsafe: bool = False,
+        limits: Limits | None = None,
+    ) -> None:
+        ws = Path(workspace).absolute()
+        if not ws.is_dir():
+            raise SandboxError(
+                f"workspace {ws}: expected an existing directory, found "
+                f"{'a file' if ws.exists() else 'nothing'}; create it or pass another path"
+            )
+        binds = []
+        for p in ro_binds:
+            q = Path(p).absolute()
+            if not q.exists():
+                raise SandboxError(
+                    f"ro_binds: {q} does not exist; expected paths to show read-only "
+                    "inside the sandbox (e.g. a task's venv)"
+                )
+            binds.append(q)
+        if timeout <= 0:
+            raise SandboxError(f"timeout: expected seconds > 0, found {timeout!r}")
+        limits = limits or Limits()
+        if memory_mb is not None:
+            limits = dataclasses.replace(limits, memory_mb=memory_mb)
+        self.workspace = ws
+        self.timeout = float(timeout)
+        self.env = dict(env or {})
+        self.limits = limits
+        self.unsafe = unsafe
+        self.isolation = None if unsafe else bw.probe()
+        if self.isolation is not None and not self.isolation.available:
+            raise SandboxUnavailable(
+                "cannot sandbox: "
+                + "; ".join(self.isolation.notes)
+                + ". Install bubblewrap (`make system-deps`, or apt-get install bubblewrap) "
+                "on a kernel that allows user namespaces, or pass unsafe=True / --unsafe "
+                "to run WITHOUT isolation"
+            )
+        # A venv among the binds (or in the workspace) needs its base interpreter, too.
+        self.ro_binds = binds + [
+            p for p in bw.venv_interpreters([ws, *binds]) if p not in binds and p != ws
+        ]
+        self._prlimit = shutil.which("prlimit")
+
+    def _visible(self, path: Path) -> bool:
+        return any(path == r or r in path.parents for r in [self.workspace, *self.ro_binds])
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: Path | str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> SandboxResult:
+        """Run `argv` to completion or timeout; never raises for anything the command does."""
+        if isinstance(argv, (str, bytes)) or not argv:
+            raise SandboxError(
+                f"argv: expected a non-empty list of strings, found {argv!r}; "
+                'for a shell line use ["sh", "-c", line]'
+            )
+        argv = [str(a) for a in argv]
+        timeout = self.timeout if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise SandboxError(f"timeout: expected seconds > 0, found {timeout!r}")
+        wd = self.workspace if cwd is None else Path(cwd).absolute()
+        if not self._visible(wd):
+            raise SandboxError(
+                f"cwd {wd}: expected the workspace {self.workspace} or a path inside it "
+                "(or inside a ro_bind)"
+            )
+        if self.unsafe:
+            return self._run_unsafe(argv, wd, timeout, env, stdin)
+        return self._run_bwrap(argv, wd, timeout, env, stdin)
+
+    def _limit_prefix(self, timeout: float) -> tuple[list[str], dict]:
+        rl = rlimits(self.limits, timeout)
+        if self._prlimit:
+            return prlimit_argv(self._prlimit, rl), {}
+        return [], {"preexec_fn": lambda: apply_rlimits(rl)}
+
+    def _run_bwrap(self, argv, wd, timeout, env, stdin) -> SandboxResult:
+        iso = self.isolation
+        for note in iso.notes:
+            _warn_once(f"sandbox degraded: {note}", DegradedSandboxWarning)
+        prefix, extra = self._limit_prefix(timeout)
+        full_env = {**default_env(), **self.env, **(env or {})}
+        leaf = None
+        if iso.pids_cgroup is not None:
+            try:
+                leaf = cgroup.create(cgroup.find_pids_hierarchy(), self.limits.processes)
+            except OSError as e:
+                _warn_once(
+                    f"sandbox degraded: cannot create a pids cgroup ({e}); "
+                    "the process count rests on RLIMIT_NPROC",
+                    DegradedSandboxWarning,
+                )
+        join = (
+            ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', str(leaf / "cgroup.procs")]
+            if leaf is not None
+            else []
+        )
+        layout = bw.bwrap_argv(
+            iso, self.workspace, self.ro_binds, wd, self.limits.tmp_mb, self.limits.shm_mb
+        )
+        try:
+            return self._spawn(
+                [*join, *prefix, *layout, *argv], None, full_env, timeout, stdin, True, extra
+            )
+        finally:
+            if leaf is not None:
+                cgroup.destroy(leaf)
+
+    def _run_unsafe(self, argv, wd, timeout, env, stdin) -> SandboxResult:
+        _warn_once(
+            "running WITHOUT a sandbox (unsafe=True): the command sees the host's files, "
+            "network and processes; only rlimits and the timeout apply",
+            UnsafeSandboxWarning,
+        )
+        prefix, extra = self._limit_prefix(timeout)
+        home = tempfile.mkdtemp(prefix="cadenza-unsafe-home-")
+        try:
+            full_env = {**default_env(home), **self.env, **(env or {})}
+            return self._spawn([*prefix, *argv], wd, full_env, timeout, stdin, False, extra)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+    def _spawn(self, cmd, wd, env, timeout, stdin, sandboxed, extra) -> SandboxResult:
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=wd,
+                env=env,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                **extra,
+            )
+        except OSError as e:  # only reachable unsandboxed: bwrap reports its own failures
+            return SandboxResult(
+                127, "", f"cannot run {cmd[0]!r}: {e}\n", False, 0.0, False, None, sandboxed
+            )
+        try:
+            cap = pump(proc, stdin, timeout, self.limits.output_bytes)
+        finally:
+            if proc.poll() is None:
+                # Whole group: unsandboxed children share it; bwrap's namespace dies with it.
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if not sandboxed:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group
+        duration = time.monotonic() - t0
+        status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        if cap.timed_out:
+            status, killed_by = TIMEOUT_STATUS, "timeout"
+        else:
+            killed_by = _signal_name(status)
+        return SandboxResult(
+            status,
+            decode(cap.stdout),
+            decode(cap.stderr),
+            cap.timed_out,
+            duration,
+            cap.truncated,
+            killed_by,
+            sandboxed,
+        )
+
+
+def run(
+    argv: Sequence[str],
+    workspace: Path | str,
+    *,
+    timeout: float = 60,
+    memory_mb: int | None = None,
+    env: Mapping[str, str] | None = None,
+    ro_binds: Sequence[Path | str] = (),
+    cwd: Path | str | None = None,
+    unsafe: bool = False,
+    limits: Limits | None = None,
+    stdin: bytes | None = None,
+) -> SandboxResult:
+    """Run `argv` in a sandbox over `workspace` (see `Sandbox`)."""
+    box = Sandbox(
+        workspace,
+        timeout=timeout,
+        memory_mb=memory_mb,
+        env=env,
+        ro_binds=ro_binds,
+        unsafe=unsafe,
+        limits=limits,
+    )
+    return box.run(argv, cwd=cwd, stdin=stdin)
