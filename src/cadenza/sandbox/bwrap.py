@@ -171,14 +171,34 @@ def probe(bwrap: str | None = None) -> Isolation:
 
 
 @functools.cache
-def generated_etc() -> Path:
-    """A per-process directory with the generated /etc files (removed at exit)."""
-    d = Path(tempfile.mkdtemp(prefix="cadenza-sandbox-etc-"))
+def sandbox_etc() -> Path:
+    """The sandbox's /etc, built once per process: whitelisted host entries, generated files.
+
+    Copied (symlinks kept as symlinks) rather than bound one by one: a single bind mount
+    instead of ~25 keeps the per-command setup cost low. Removed at exit.
+    """
+    root = Path(tempfile.mkdtemp(prefix="cadenza-sandbox-etc-"))
+    etc = root / "etc"
+    etc.mkdir()
+    entries = [p for p in ETC_SHARED if os.path.lexists(p)]
+    for pattern in ETC_GLOBS:
+        entries += sorted(glob.glob(pattern))
+    for src in entries:
+        dst = etc / os.path.relpath(src, "/etc")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+        except OSError:
+            continue  # unreadable host entry: simply absent inside
     for name, text in ETC_GENERATED.items():
-        (d / name).write_text(text)
-    d.chmod(0o755)
-    atexit.register(shutil.rmtree, d, True)
-    return d
+        (etc / name).write_text(text)
+    for d in (root, *[p for p in etc.rglob("*") if p.is_dir() and not p.is_symlink()], etc):
+        d.chmod(0o755)
+    atexit.register(shutil.rmtree, root, True)
+    return etc
 
 
 def venv_interpreters(paths: Sequence[Path]) -> list[Path]:
@@ -213,15 +233,7 @@ def _system_mounts() -> list[str]:
             out += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             out += ["--ro-bind", d, d]
-    etc = [p for p in ETC_SHARED if os.path.lexists(p)]
-    for pattern in ETC_GLOBS:
-        etc += sorted(glob.glob(pattern))
-    for p in etc:
-        out += ["--ro-bind", p, p]
-    gen = generated_etc()
-    for name in ETC_GENERATED:
-        out += ["--ro-bind", str(gen / name), f"/etc/{name}"]
-    return out
+    return [*out, "--ro-bind", str(sandbox_etc()), "/etc"]
 
 
 def bwrap_argv(

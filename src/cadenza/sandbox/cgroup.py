@@ -114,8 +114,14 @@ def pids(leaf: Path) -> list[int]:
 
 
 def destroy(leaf: Path, timeout: float = 2.0) -> bool:
-    """Kill whatever is left in `leaf` and remove it; False if it could not be removed."""
+    """Kill whatever is left in `leaf`, wait until it is empty, remove it.
+
+    bwrap returns as soon as its command exits, while the kernel may still be tearing
+    down the namespace's other processes; waiting here for an empty cgroup means that
+    when a run returns, nothing it started is alive. False if it could not be removed.
+    """
     deadline = time.monotonic() + timeout
+    pause = 0.0005
     while True:
         if (leaf / "cgroup.kill").exists():
             with contextlib.suppress(OSError):
@@ -131,4 +137,5 @@ def destroy(leaf: Path, timeout: float = 2.0) -> bool:
         except OSError:
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.01)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)

@@ -61,7 +61,7 @@ def prlimit_argv(prlimit: str, limits: dict[str, tuple[int, int]]) -> list[str]:
     return [prlimit, *(f"--{name}={soft}:{hard}" for name, (soft, hard) in limits.items()), "--"]
 
 
-_RESOURCE = {
+RLIMIT = {
     "cpu": resource.RLIMIT_CPU,
     "as": resource.RLIMIT_AS,
     "nproc": resource.RLIMIT_NPROC,
@@ -74,4 +74,4 @@ _RESOURCE = {
 def apply_rlimits(limits: dict[str, tuple[int, int]]) -> None:
     """Set the limits on the calling process (the fallback when prlimit(1) is missing)."""
     for name, value in limits.items():
-        resource.setrlimit(_RESOURCE[name], value)
+        resource.setrlimit(RLIMIT[name], value)

@@ -1,9 +1,11 @@
 """Run one command in isolation: `run(argv, workspace)` and the reusable `Sandbox`.
 
-The launch chain is `[sh -c 'join pids cgroup; exec "$@"'] prlimit --LIMITS -- bwrap
-LAYOUT -- argv`: each step execs the next, so the limits and the cgroup apply to bwrap
-and everything it starts, and the Python runner never forks a copy of itself (the spawn
-stays vfork-cheap inside a large trainer process).
+Launch: the runner spawns `bwrap --info-fd A --block-fd B LAYOUT -- argv` directly (a
+vfork-cheap spawn, no wrapper processes, no preexec in a large trainer process). bwrap
+creates the namespaces, reports its sandbox's pid 1 on A and parks it on B before any of
+the command runs; the runner sets the rlimits on that pid (prlimit(2)) and moves it into
+a fresh pids cgroup, then releases it. Everything the command starts descends from that
+pid 1 and inherits both.
 
 Timeout: the runner SIGKILLs bwrap; `--die-with-parent` then kills the sandbox's pid-1,
 and the kernel kills every process of the pid namespace with it (double-forked daemons
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from cadenza.sandbox import bwrap as bw
 from cadenza.sandbox import cgroup
-from cadenza.sandbox.limits import Limits, apply_rlimits, prlimit_argv, rlimits
+from cadenza.sandbox.limits import RLIMIT, Limits, apply_rlimits, prlimit_argv, rlimits
 from cadenza.sandbox.output import decode, pump
 
 TIMEOUT_STATUS = 124
@@ -196,6 +201,7 @@ class Sandbox:
         return self._run_bwrap(argv, wd, timeout, env, stdin)
 
     def _limit_prefix(self, timeout: float) -> tuple[list[str], dict]:
+        """Unsandboxed runs: prlimit(1) in front of the command (preexec as a fallback)."""
         rl = rlimits(self.limits, timeout)
         if self._prlimit:
             return prlimit_argv(self._prlimit, rl), {}
@@ -205,7 +211,6 @@ class Sandbox:
         iso = self.isolation
         for note in iso.notes:
             _warn_once(f"sandbox degraded: {note}", DegradedSandboxWarning)
-        prefix, extra = self._limit_prefix(timeout)
         full_env = {**default_env(), **self.env, **(env or {})}
         leaf = None
         if iso.pids_cgroup is not None:
@@ -217,19 +222,34 @@ class Sandbox:
                     "the process count rests on RLIMIT_NPROC",
                     DegradedSandboxWarning,
                 )
-        join = (
-            ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', str(leaf / "cgroup.procs")]
-            if leaf is not None
-            else []
-        )
         layout = bw.bwrap_argv(
             iso, self.workspace, self.ro_binds, wd, self.limits.tmp_mb, self.limits.shm_mb
         )
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        cmd = [layout[0], "--info-fd", str(info_w), "--block-fd", str(block_r), *layout[1:]]
+        limits = rlimits(self.limits, timeout)
+
+        def confine(pid: int) -> None:
+            # bwrap reports its sandbox's pid 1 on --info-fd, then parks it on --block-fd
+            # before anything of the command runs: limit and enrol it, then let it go.
+            confine_parked(pid, info_r, block_w, limits, leaf, timeout)
+
         try:
             return self._spawn(
-                [*join, *prefix, *layout, *argv], None, full_env, timeout, stdin, True, extra
+                [*cmd, *argv],
+                None,
+                full_env,
+                timeout,
+                stdin,
+                True,
+                {"pass_fds": (info_w, block_r)},
+                after_start=lambda: (os.close(info_w), os.close(block_r)),
+                confine=confine,
             )
         finally:
+            os.close(info_r)
+            os.close(block_w)
             if leaf is not None:
                 cgroup.destroy(leaf)
 
@@ -247,7 +267,9 @@ class Sandbox:
         finally:
             shutil.rmtree(home, ignore_errors=True)
 
-    def _spawn(self, cmd, wd, env, timeout, stdin, sandboxed, extra) -> SandboxResult:
+    def _spawn(
+        self, cmd, wd, env, timeout, stdin, sandboxed, extra, after_start=None, confine=None
+    ) -> SandboxResult:
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -260,18 +282,30 @@ class Sandbox:
                 start_new_session=True,
                 **extra,
             )
-        except OSError as e:  # only reachable unsandboxed: bwrap reports its own failures
+        except OSError as e:
+            if after_start is not None:
+                after_start()
             return SandboxResult(
                 127, "", f"cannot run {cmd[0]!r}: {e}\n", False, 0.0, False, None, sandboxed
             )
         try:
-            cap = pump(proc, stdin, timeout, self.limits.output_bytes)
+            if after_start is not None:
+                after_start()
+            if confine is not None:
+                confine(proc.pid)
+            cap = pump(
+                proc, stdin, max(0.0, timeout - (time.monotonic() - t0)), self.limits.output_bytes
+            )
         finally:
             if proc.poll() is None:
                 # Whole group: unsandboxed children share it; bwrap's namespace dies with it.
                 with contextlib.suppress(OSError):
                     os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                if f is not None:
+                    with contextlib.suppress(OSError):
+                        f.close()
         if not sandboxed:
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group
@@ -291,6 +325,50 @@ class Sandbox:
             killed_by,
             sandboxed,
         )
+
+
+def confine_parked(
+    bwrap_pid: int,
+    info_fd: int,
+    block_fd: int,
+    limits: dict[str, tuple[int, int]],
+    leaf: Path | None,
+    timeout: float,
+) -> None:
+    """Set rlimits on, and move into the pids cgroup, the sandbox's pid 1 parked by bwrap.
+
+    Everything the command starts descends from that pid 1, so it inherits both. If bwrap
+    fails before reporting (a bad mount, say), there is nothing to confine and its own
+    error reaches stderr. If confining fails, the sandbox is killed, never released.
+    """
+    data = b""
+    deadline = time.monotonic() + min(timeout, 30.0)
+    while not data.endswith(b"}\n"):
+        wait = deadline - time.monotonic()
+        if wait <= 0 or not select.select([info_fd], [], [], wait)[0]:
+            break
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        child = json.loads(data)["child-pid"]
+    except (ValueError, KeyError):
+        return  # bwrap ended before starting a sandbox; it reports why on stderr
+    try:
+        for name, value in limits.items():
+            resource.prlimit(child, RLIMIT[name], value)
+        if leaf is not None:
+            (leaf / "cgroup.procs").write_text(str(child))
+    except ProcessLookupError:
+        return
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)
+            os.kill(bwrap_pid, signal.SIGKILL)
+        raise SandboxError(f"cannot confine the sandbox (rlimits/cgroup): {e}") from e
+    with contextlib.suppress(OSError):
+        os.write(block_fd, b"1")
 
 
 def run(
