@@ -269,3 +269,13 @@ def test_cli_unsafe_warns(tmp_path):
     assert r.returncode == 0 and "WITHOUT a sandbox" in r.stderr
     r = _cli("run", "--workspace", str(tmp_path / "no"), "--", "true")
     assert r.returncode == 2 and "expected an existing directory" in r.stderr
+
+
+@needs_bwrap
+def test_from_config(ws):
+    from cadenza.config import load_config
+
+    cfg = load_config("tiny", ["sandbox.memory_mb=900", "sandbox.timeout=0.5"]).sandbox
+    sb = Sandbox.from_config(ws, cfg)
+    assert sb.limits.memory_mb == 900 and sb.timeout == 0.5
+    assert sb.run(["sleep", "5"]).timed_out

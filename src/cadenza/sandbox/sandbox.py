@@ -168,6 +168,14 @@ class Sandbox:
         ]
         self._prlimit = shutil.which("prlimit")
 
+    @classmethod
+    def from_config(cls, workspace: Path | str, cfg, **kw) -> Sandbox:
+        """A sandbox from a `cadenza.config.sandbox.SandboxConfig` (keywords override it)."""
+        fields = {f.name for f in dataclasses.fields(Limits)}
+        limits = Limits(**{k: v for k, v in vars(cfg).items() if k in fields})
+        kw = {"timeout": cfg.timeout, "unsafe": cfg.unsafe, "limits": limits, **kw}
+        return cls(workspace, **kw)
+
     def _visible(self, path: Path) -> bool:
         return any(path == r or r in path.parents for r in [self.workspace, *self.ro_binds])
 
