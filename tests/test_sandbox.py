@@ -250,6 +250,7 @@ def _cli(*args, timeout=60):
     )
 
 
+@pytest.mark.slow  # three CLI start-ups (~1 s each on an idle 2-core machine)
 @needs_bwrap
 def test_cli_run_passes_status_and_output(ws):
     r = _cli("run", "--workspace", str(ws), "--", "sh", "-c", "echo out; echo err >&2; exit 5")
@@ -279,3 +280,29 @@ def test_from_config(ws):
     sb = Sandbox.from_config(ws, cfg)
     assert sb.limits.memory_mb == 900 and sb.timeout == 0.5
     assert sb.run(["sleep", "5"]).timed_out
+
+
+@pytest.mark.parametrize(
+    "machine, header",
+    [
+        ("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+        ("aarch64", "/usr/include/asm-generic/unistd.h"),
+    ],
+)
+def test_seccomp_numbers_match_kernel_headers(machine, header):
+    """The filter's syscall tables agree with the installed kernel headers (the oracle)."""
+    import re
+
+    from cadenza.sandbox import seccomp
+
+    if not os.path.exists(header):
+        pytest.skip(f"{header} not installed")
+    defined = dict(
+        (m.group(1), int(m.group(2)))
+        for m in re.finditer(r"#define __NR_(\w+)\s+(\d+)", open(header).read())
+    )
+    table = seccomp.ARCHES[machine][1]
+    assert {k: defined.get(k) for k in table} == table
+    assert set(seccomp.BLOCKED) - set(table) <= {"iopl", "ioperm"}  # x86-only calls
+    prog = seccomp.filter_program(machine)
+    assert len(prog) % 8 == 0 and len(prog) // 8 < 256

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -474,6 +475,52 @@ def test_change_hostname(host):
     before = socket.gethostname()
     attack(host / "ws", errno_of("open('/proc/sys/kernel/hostname', 'w').write('pwned')"))
     assert socket.gethostname() == before != "pwned"
+
+
+def _syscalls(names_nrs: dict[str, int]) -> str:
+    return f"""
+        import ctypes, json
+        libc = ctypes.CDLL(None, use_errno=True)
+        out = {{}}
+        for name, nr in {names_nrs!r}.items():
+            rc = libc.syscall(nr, 0, 0, 0, 0, 0)
+            out[name] = [rc, ctypes.get_errno()]
+        print(json.dumps(out))
+    """
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 syscall numbers")
+def test_kernel_attack_surface_syscalls(host):
+    """Reach io_uring, bpf, perf_event_open, userfaultfd, keyctl/add_key (unprivileged, exploit-prone kernel interfaces). Contained: the seccomp filter returns EPERM."""
+    nrs = {
+        "io_uring_setup": 425,
+        "bpf": 321,
+        "perf_event_open": 298,
+        "userfaultfd": 323,
+        "keyctl": 250,
+        "add_key": 248,
+    }
+    r, verdict = attack(host / "ws", _syscalls(nrs))
+    assert all(v == [-1, 1] for v in verdict.values()), verdict
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ABIs")
+def test_seccomp_bypass_via_other_abis(host):
+    """Bypass a syscall filter through the x32 ABI (nr | 0x40000000) or 32-bit `int 0x80` (i386 numbers). Contained: the filter refuses any non-native ABI (ENOSYS), or the kernel has no such ABI."""
+    r, verdict = attack(
+        host / "ws", _syscalls({"x32_keyctl": 0x40000000 | 250, "x32_getpid": 0x40000000 | 39})
+    )
+    assert verdict == {"x32_keyctl": [-1, 38], "x32_getpid": [-1, 38]}, r
+    code = """
+        import ctypes, json, mmap
+        # mov eax, 20 (i386 getpid); int 0x80; ret
+        buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        buf.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        print(json.dumps(ctypes.CFUNCTYPE(ctypes.c_int)(addr)()))
+    """
+    r, verdict = attack(host / "ws", code)
+    assert verdict == -38 or r.killed_by == "SIGSEGV", r  # -ENOSYS, not a pid
 
 
 # --- resource exhaustion ------------------------------------------------------------------

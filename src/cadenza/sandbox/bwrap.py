@@ -15,6 +15,7 @@ Layout inside the sandbox (everything else of the host is absent):
 
 Namespaces: user (the command runs as uid/gid 1000 with no capabilities, and may not make
 further user namespaces), network (only a loopback of its own), pid, ipc, uts, cgroup.
+A seccomp filter (seccomp.py) refuses io_uring, bpf, perf events, userfaultfd, keys.
 `--die-with-parent` ends the sandbox with its runner; `--new-session` detaches it from
 the terminal. When the pid namespace's init exits, the kernel kills every process left
 in it: a daemon cannot outlive its command.
@@ -96,6 +97,7 @@ class Isolation:
     namespaces: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     tmpfs_size: bool = False
+    seccomp: bool = False  # the syscall filter of seccomp.py can be loaded
     pids_cgroup: str | None = None  # the cgroup directory that holds per-command leaves
     notes: tuple[str, ...] = field(default=())
 
@@ -110,10 +112,23 @@ class Isolation:
         return out
 
 
-def _try(bwrap: str, flags: list[str]) -> tuple[bool, str]:
+def seccomp_fd() -> int | None:
+    """A pipe's read end holding the syscall filter, for `--seccomp FD` (None: no filter)."""
+    from cadenza.sandbox.seccomp import filter_program
+
+    prog = filter_program()
+    if prog is None:
+        return None
+    r, w = os.pipe()
+    os.write(w, prog)  # a few hundred bytes: fits the pipe buffer
+    os.close(w)
+    return r
+
+
+def _try(bwrap: str, flags: list[str], fds: tuple[int, ...] = ()) -> tuple[bool, str]:
     argv = [bwrap, *flags, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"]
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30, pass_fds=fds)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, str(e)
     return r.returncode == 0, r.stderr.strip()
@@ -157,14 +172,27 @@ def probe(bwrap: str | None = None) -> Isolation:
         else:
             missing.append(name)
     size_ok = _try(bwrap, flags + ["--size", "1048576", "--tmpfs", "/tmp"])[0]
+    fd = seccomp_fd()
+    seccomp_ok = False
+    if fd is not None:
+        try:
+            seccomp_ok = _try(bwrap, flags + ["--seccomp", str(fd)], (fd,))[0]
+        finally:
+            os.close(fd)
     notes = tuple(f"no {m} namespace: {WHAT_IT_MEANS[m]}" for m in missing)
     if not size_ok:
         notes += ("bwrap has no --size: /tmp and /dev/shm are not size-capped",)
+    if not seccomp_ok:
+        notes += (
+            "no seccomp filter: io_uring, bpf, perf_event_open, userfaultfd and the key "
+            "store are reachable (namespaces and dropped capabilities still apply)",
+        )
     return Isolation(
         bwrap,
         tuple(names),
         tuple(missing),
         size_ok,
+        seccomp_ok,
         str(hierarchy.parent) if hierarchy else None,
         notes + pids_note,
     )

@@ -235,7 +235,13 @@ class Sandbox:
         )
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
-        cmd = [layout[0], "--info-fd", str(info_w), "--block-fd", str(block_r), *layout[1:]]
+        child_fds = [info_w, block_r]
+        cmd = [layout[0], "--info-fd", str(info_w), "--block-fd", str(block_r)]
+        filt = bw.seccomp_fd() if iso.seccomp else None
+        if filt is not None:
+            child_fds.append(filt)
+            cmd += ["--seccomp", str(filt)]
+        cmd += layout[1:]
         limits = rlimits(self.limits, timeout)
 
         def confine(pid: int) -> None:
@@ -251,8 +257,8 @@ class Sandbox:
                 timeout,
                 stdin,
                 True,
-                {"pass_fds": (info_w, block_r)},
-                after_start=lambda: (os.close(info_w), os.close(block_r)),
+                {"pass_fds": tuple(child_fds)},
+                after_start=lambda: [os.close(fd) for fd in child_fds],
                 confine=confine,
             )
         finally:
