@@ -582,6 +582,50 @@ def test_memory_bomb(host):
     assert verdict[0] == "MemoryError" and verdict[1] < 8, r
 
 
+def _needs_cgroup(controller):
+    from cadenza.sandbox import isolation
+
+    if controller not in isolation().cgroups:
+        pytest.skip(f"no writable {controller} cgroup here (the sandbox reports this)")
+
+
+def test_memory_bomb_many_processes(host):
+    """Six processes each fill 200 MiB (under the 512 MiB per-process limit; 1.2 GiB together). Contained: the memory cgroup caps the whole sandbox (400 MiB): the kernel OOM-kills inside it only."""
+    _needs_cgroup("memory")
+    code = """
+        import json, os, time
+        kids = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                b = b"\\x01" * (200 << 20)
+                time.sleep(1)
+                os._exit(0)
+            kids.append(pid)
+        print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]))
+    """
+    r, codes = attack(host / "ws", code, limits=Limits(memory_mb=512, total_memory_mb=400))
+    assert codes is not None and codes.count(-9) >= 4, r  # at most 2 x 200 MiB fit
+
+
+def test_tmpfs_fill_counts_as_memory(host):
+    """Fill the private /tmp (a RAM-backed tmpfs) with 256 MiB while its size cap allows 512. Contained: tmpfs pages count against the sandbox's 128 MiB memory cgroup: the writer fails or is OOM-killed."""
+    _needs_cgroup("memory")
+    code = """
+        import json
+        n = 0
+        try:
+            with open("/tmp/fill", "wb") as f:
+                while n < 256:
+                    f.write(b"\\x01" * (1 << 20)); f.flush(); n += 1
+            print(json.dumps(["wrote", n]))
+        except OSError as e:
+            print(json.dumps([e.strerror, n]))
+    """
+    r, verdict = attack(host / "ws", code, limits=Limits(tmp_mb=512, total_memory_mb=128))
+    assert r.killed_by == "memory" or (verdict and verdict[0] != "wrote" and verdict[1] < 128), r
+
+
 def test_disk_fill_workspace(host):
     """Fill the disk by writing an endless file into the workspace. Contained: RLIMIT_FSIZE (file_size_mb=8): the write fails at 8 MiB (SIGXFSZ/EFBIG)."""
     code = """

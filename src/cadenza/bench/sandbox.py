@@ -92,7 +92,10 @@ def run(argv: list[str]) -> dict:
         shutil.rmtree(ws, ignore_errors=True)
     load = os.getloadavg()[0]
     print(f"sandbox overhead per command, median of {args.repeats} (baseline: plain subprocess)")
-    print(f"  isolation: {', '.join(iso.namespaces)}; pids cgroup: {iso.pids_cgroup or 'none'}")
+    print(
+        f"  isolation: {', '.join(iso.namespaces)}; seccomp: {iso.seccomp}; "
+        f"cgroups: {', '.join(iso.cgroups) or 'none'}"
+    )
     print(f"  machine: {os.cpu_count()} CPUs, load average {load:.1f} (wall times grow with load)")
     print(
         f"  {'command':<16}{'plain ms':>10}{'sandbox ms':>12}{'added ms':>10}{'ratio':>8}"

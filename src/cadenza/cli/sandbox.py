@@ -75,7 +75,8 @@ def check_cmd() -> None:
     typer.echo(f"namespaces:   {', '.join(iso.namespaces) or 'none'}")
     typer.echo(f"missing:      {', '.join(iso.missing) or 'none'}")
     typer.echo(f"tmpfs sizes:  {'capped' if iso.tmpfs_size else 'not capped'}")
-    typer.echo(f"pids cgroup:  {iso.pids_cgroup or 'none'}")
+    typer.echo(f"seccomp:      {'filter loaded' if iso.seccomp else 'none'}")
+    typer.echo(f"cgroups:      {', '.join(iso.cgroups) or 'none'}")
     for note in iso.notes:
         typer.echo(f"NOT ISOLATED: {note}")
     typer.echo("usable:       " + ("yes" if iso.available else "no (only with --unsafe)"))

@@ -98,7 +98,7 @@ class Isolation:
     missing: tuple[str, ...] = ()
     tmpfs_size: bool = False
     seccomp: bool = False  # the syscall filter of seccomp.py can be loaded
-    pids_cgroup: str | None = None  # the cgroup directory that holds per-command leaves
+    cgroups: tuple[str, ...] = ()  # controllers with per-command cgroups (pids, memory)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -140,24 +140,27 @@ def probe(bwrap: str | None = None) -> Isolation:
     from cadenza.sandbox import cgroup
 
     bwrap = bwrap or shutil.which("bwrap")
-    hierarchy = cgroup.find_pids_hierarchy()
-    pids_note = (
-        ()
-        if hierarchy is not None
-        else (
+    cgroups = tuple(c for c in cgroup.CONTROLLERS if cgroup.find_hierarchy(c) is not None)
+    cg_notes = ()
+    if "pids" not in cgroups:
+        cg_notes += (
             "no writable pids cgroup: the process count rests on RLIMIT_NPROC, which the "
             "kernel does not enforce when the runner is root",
         )
-    )
+    if "memory" not in cgroups:
+        cg_notes += (
+            "no writable memory cgroup: memory is limited per process (RLIMIT_AS), not "
+            "for the sandbox as a whole, and tmpfs only by its size",
+        )
     if bwrap is None:
-        return Isolation(None, notes=("bubblewrap (bwrap) is not installed",) + pids_note)
+        return Isolation(None, notes=("bubblewrap (bwrap) is not installed",) + cg_notes)
     base = [f for name in REQUIRED for f in REQUIRED[name]]
     ok, err = _try(bwrap, base)
     if not ok:
         return Isolation(
             bwrap,
             missing=tuple(REQUIRED),
-            notes=(f"bwrap cannot create network and pid namespaces here: {err}",) + pids_note,
+            notes=(f"bwrap cannot create network and pid namespaces here: {err}",) + cg_notes,
         )
     names = list(REQUIRED)
     flags = list(base)
@@ -193,8 +196,8 @@ def probe(bwrap: str | None = None) -> Isolation:
         tuple(missing),
         size_ok,
         seccomp_ok,
-        str(hierarchy.parent) if hierarchy else None,
-        notes + pids_note,
+        cgroups,
+        notes + cg_notes,
     )
 
 

@@ -1,15 +1,19 @@
-"""A pids cgroup per sandboxed command: caps its process count, even for host root.
+"""Per-command cgroups: cap the sandbox's process count and its total memory.
 
-RLIMIT_NPROC is not enforced for processes whose real uid is host root, and bubblewrap run
-by root maps the sandbox user to host root, so a fork bomb would only be stopped by the
-wall-clock timeout after it had taken the host's pid space. A pids cgroup (`pids.max`)
-bounds the whole sandbox whatever its uid. Used when the pids controller is writable
-(cgroup v1 `pids` hierarchy, or cgroup v2 with `pids` delegated to our cgroup); absent
-that, the sandbox says so (Isolation.notes) and relies on RLIMIT_NPROC.
+rlimits are per process (and RLIMIT_NPROC is not enforced when the runner is host root,
+to which bubblewrap maps the sandbox user), so a fork bomb, or many processes each just
+under the address-space limit, or files piled into the private tmpfs, could still take
+the host down. A cgroup bounds the sandbox as a whole:
 
-The launcher joins the cgroup before exec'ing bubblewrap (`echo 0 > cgroup.procs`), so
-every process of the sandbox is born inside it; afterwards the cgroup is emptied
-(SIGKILL to what is left) and removed.
+    pids    pids.max = Limits.processes (processes and threads)
+    memory  memory.limit_in_bytes (v1) / memory.max (v2) = Limits.total_memory_mb, which
+            also counts the sandbox's tmpfs pages; over it the kernel's OOM killer
+            ends a process of this sandbox only
+
+Used where the controller is writable: a cgroup v1 hierarchy of that controller, or
+cgroup v2 with the controller delegated to our cgroup. Where not, the sandbox says so
+(Isolation.notes). The runner moves the sandbox's parked pid 1 into the leaves before
+it runs anything; afterwards the leaves are emptied (SIGKILL) and removed.
 """
 
 from __future__ import annotations
@@ -20,14 +24,15 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PARENT = "cadenza-sandbox"
+CONTROLLERS = ("pids", "memory")
 
 
 @dataclass(frozen=True)
-class PidsHierarchy:
+class Hierarchy:
     parent: Path  # our cgroup's `cadenza-sandbox` child; one leaf per command below it
     version: int  # 1 or 2
 
@@ -67,43 +72,106 @@ def _writable_dir(path: Path) -> bool:
 
 
 @functools.cache
-def find_pids_hierarchy() -> PidsHierarchy | None:
-    """Where per-command pids cgroups can be made, or None when nowhere (checked once)."""
+def find_hierarchy(controller: str) -> Hierarchy | None:
+    """Where per-command cgroups with `controller` can be made; None if nowhere (cached)."""
     own = _own_paths()
     mounts = _mounts()
     for point, fstype, opts in mounts:
-        if fstype == "cgroup" and "pids" in opts and "pids" in own:
-            parent = Path(point) / own["pids"].lstrip("/") / PARENT
+        if fstype == "cgroup" and controller in opts and controller in own:
+            parent = Path(point) / own[controller].lstrip("/") / PARENT
             if _writable_dir(parent):
-                return PidsHierarchy(parent, 1)
+                return Hierarchy(parent, 1)
     for point, fstype, _ in mounts:
         if fstype != "cgroup2" or "" not in own:
             continue
         base = Path(point) / own[""].lstrip("/")
         try:
-            if "pids" not in (base / "cgroup.subtree_control").read_text().split():
+            if controller not in (base / "cgroup.subtree_control").read_text().split():
                 continue
             parent = base / PARENT
             if not _writable_dir(parent):
                 continue
-            # Children of `parent` get pids.max only when parent delegates the controller.
-            (parent / "cgroup.subtree_control").write_text("+pids")
-            return PidsHierarchy(parent, 2)
+            # Leaves under `parent` get the controller only when parent delegates it.
+            (parent / "cgroup.subtree_control").write_text(f"+{controller}")
+            return Hierarchy(parent, 2)
         except OSError:
             continue
     return None
 
 
-def create(hierarchy: PidsHierarchy, max_pids: int) -> Path:
-    """A fresh leaf cgroup allowing `max_pids` tasks (processes and threads)."""
-    leaf = hierarchy.parent / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    leaf.mkdir()
-    try:
-        (leaf / "pids.max").write_text(str(max_pids))
-    except OSError:
-        leaf.rmdir()
-        raise
-    return leaf
+def _settings(controller: str, version: int, value: int) -> dict[str, str]:
+    if controller == "pids":
+        return {"pids.max": str(value)}
+    if version == 1:
+        # memsw (memory + swap) where the kernel accounts swap, so swap is no way around.
+        return {"memory.limit_in_bytes": str(value), "memory.memsw.limit_in_bytes": str(value)}
+    return {"memory.max": str(value), "memory.swap.max": "0"}
+
+
+@dataclass
+class Leaves:
+    """The cgroups of one command: one leaf per hierarchy (v1: per controller)."""
+
+    paths: list[Path] = field(default_factory=list)
+    memory: Path | None = None
+
+    def enrol(self, pid: int) -> None:
+        for leaf in self.paths:
+            (leaf / "cgroup.procs").write_text(str(pid))
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer ended a process of this sandbox."""
+        if self.memory is None:
+            return False
+        for name in ("memory.oom_control", "memory.events"):
+            with contextlib.suppress(OSError, ValueError):
+                for line in (self.memory / name).read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and int(value) > 0:
+                        return True
+        return False
+
+    def destroy(self, timeout: float = 2.0) -> bool:
+        ok = True
+        for leaf in self.paths:
+            ok &= destroy(leaf, timeout)
+        return ok
+
+
+def create(limits: dict[str, int]) -> tuple[Leaves, list[str]]:
+    """Leaves enforcing `limits` ({"pids": n, "memory": bytes}) where possible.
+
+    Returns the leaves and, for each controller that could not be set up, a note.
+    """
+    leaves = Leaves()
+    notes = []
+    by_parent: dict[Path, tuple[Hierarchy, dict[str, str], list[str]]] = {}
+    for controller, value in limits.items():
+        h = find_hierarchy(controller)
+        if h is None:
+            notes.append(f"no writable {controller} cgroup")
+            continue
+        entry = by_parent.setdefault(h.parent, (h, {}, []))
+        entry[1].update(_settings(controller, h.version, value))
+        entry[2].append(controller)
+    for h, settings, controllers in by_parent.values():
+        leaf = h.parent / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        try:
+            leaf.mkdir()
+        except OSError as e:
+            notes.append(f"cannot create a {'/'.join(controllers)} cgroup: {e}")
+            continue
+        leaves.paths.append(leaf)
+        for name, value in settings.items():
+            try:
+                (leaf / name).write_text(value)
+            except OSError as e:
+                if name.startswith("memory.memsw") or name == "memory.swap.max":
+                    continue  # no swap accounting: nothing to close
+                notes.append(f"cannot set {name}: {e}")
+        if "memory" in controllers:
+            leaves.memory = leaf
+    return leaves, notes
 
 
 def pids(leaf: Path) -> list[int]:

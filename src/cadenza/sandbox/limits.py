@@ -2,7 +2,7 @@
 
 rlimits are per process (CPU seconds, address space, file size, open files) except
 RLIMIT_NPROC, which counts the processes of the real user; that count is not enforced
-for host root, so the sandbox adds a pids cgroup where it can (see cgroup.py).
+for host root, so the sandbox adds pids and memory cgroups where it can (cgroup.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ class Limits:
 
     cpu_seconds: float | None = None
     memory_mb: int = 4096  # address space of each process (RLIMIT_AS)
+    # RAM of the whole sandbox, tmpfs included (memory cgroup); None: memory + tmp + shm
+    total_memory_mb: int | None = None
     processes: int = 256  # processes and threads of the whole sandbox
     file_size_mb: int = 1024  # largest file a process may write (RLIMIT_FSIZE)
     open_files: int = 1024
@@ -32,10 +34,20 @@ class Limits:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Limits.{name}: expected a positive int, found {value!r}")
+        if self.total_memory_mb is not None and self.total_memory_mb <= 0:
+            raise ValueError(
+                f"Limits.total_memory_mb: expected > 0 or None, found {self.total_memory_mb!r}"
+            )
         if self.output_bytes < 0:
             raise ValueError(f"Limits.output_bytes: expected >= 0, found {self.output_bytes!r}")
         if self.cpu_seconds is not None and self.cpu_seconds <= 0:
             raise ValueError(f"Limits.cpu_seconds: expected > 0 or None, found {self.cpu_seconds}")
+
+
+def cgroup_limits(limits: Limits) -> dict[str, int]:
+    """Whole-sandbox limits for cgroup.create: task count, memory bytes."""
+    total = limits.total_memory_mb or limits.memory_mb + limits.tmp_mb + limits.shm_mb
+    return {"pids": limits.processes, "memory": total * MiB}
 
 
 def rlimits(limits: Limits, timeout: float) -> dict[str, tuple[int, int]]:

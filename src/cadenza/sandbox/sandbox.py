@@ -36,7 +36,14 @@ from pathlib import Path
 
 from cadenza.sandbox import bwrap as bw
 from cadenza.sandbox import cgroup
-from cadenza.sandbox.limits import RLIMIT, Limits, apply_rlimits, prlimit_argv, rlimits
+from cadenza.sandbox.limits import (
+    RLIMIT,
+    Limits,
+    apply_rlimits,
+    cgroup_limits,
+    prlimit_argv,
+    rlimits,
+)
 from cadenza.sandbox.output import decode, pump
 
 TIMEOUT_STATUS = 124
@@ -67,7 +74,8 @@ class SandboxResult:
     timed_out: bool
     duration_s: float
     truncated: bool  # stdout or stderr went past Limits.output_bytes; the rest was dropped
-    killed_by: str | None  # "timeout", or the signal's name ("SIGXCPU", "SIGKILL", ...)
+    killed_by: str | None  # "timeout", "memory" (OOM in the sandbox's cgroup), or the
+    # signal's name ("SIGXCPU", "SIGXFSZ", "SIGKILL", ...)
     sandboxed: bool = True  # False when run with unsafe=True
 
     @property
@@ -220,16 +228,11 @@ class Sandbox:
         for note in iso.notes:
             _warn_once(f"sandbox degraded: {note}", DegradedSandboxWarning)
         full_env = {**default_env(), **self.env, **(env or {})}
-        leaf = None
-        if iso.pids_cgroup is not None:
-            try:
-                leaf = cgroup.create(cgroup.find_pids_hierarchy(), self.limits.processes)
-            except OSError as e:
-                _warn_once(
-                    f"sandbox degraded: cannot create a pids cgroup ({e}); "
-                    "the process count rests on RLIMIT_NPROC",
-                    DegradedSandboxWarning,
-                )
+        leaves, notes = cgroup.create(
+            {k: v for k, v in cgroup_limits(self.limits).items() if k in iso.cgroups}
+        )
+        for note in notes:
+            _warn_once(f"sandbox degraded: {note}", DegradedSandboxWarning)
         layout = bw.bwrap_argv(
             iso, self.workspace, self.ro_binds, wd, self.limits.tmp_mb, self.limits.shm_mb
         )
@@ -247,10 +250,10 @@ class Sandbox:
         def confine(pid: int) -> None:
             # bwrap reports its sandbox's pid 1 on --info-fd, then parks it on --block-fd
             # before anything of the command runs: limit and enrol it, then let it go.
-            confine_parked(pid, info_r, block_w, limits, leaf, timeout)
+            confine_parked(pid, info_r, block_w, limits, leaves, timeout)
 
         try:
-            return self._spawn(
+            result = self._spawn(
                 [*cmd, *argv],
                 None,
                 full_env,
@@ -261,11 +264,13 @@ class Sandbox:
                 after_start=lambda: [os.close(fd) for fd in child_fds],
                 confine=confine,
             )
+            if result.killed_by == "SIGKILL" and leaves.oom_killed():
+                result = dataclasses.replace(result, killed_by="memory")
+            return result
         finally:
             os.close(info_r)
             os.close(block_w)
-            if leaf is not None:
-                cgroup.destroy(leaf)
+            leaves.destroy()
 
     def _run_unsafe(self, argv, wd, timeout, env, stdin) -> SandboxResult:
         _warn_once(
@@ -346,7 +351,7 @@ def confine_parked(
     info_fd: int,
     block_fd: int,
     limits: dict[str, tuple[int, int]],
-    leaf: Path | None,
+    leaves: cgroup.Leaves,
     timeout: float,
 ) -> None:
     """Set rlimits on, and move into the pids cgroup, the sandbox's pid 1 parked by bwrap.
@@ -372,8 +377,7 @@ def confine_parked(
     try:
         for name, value in limits.items():
             resource.prlimit(child, RLIMIT[name], value)
-        if leaf is not None:
-            (leaf / "cgroup.procs").write_text(str(child))
+        leaves.enrol(child)
     except ProcessLookupError:
         return
     except OSError as e:
