@@ -7,6 +7,7 @@ processes that must survive, leftover processes that must not exist after the ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -220,6 +221,38 @@ def test_read_secret_env_var(host):
     )
     r, (env, raw) = attack(host / "ws", code)
     assert "CADENZA_TEST_SECRET" not in env and SECRET not in raw and SECRET not in r.stdout
+
+
+def test_env_cannot_reach_the_launcher(host):
+    """Pass LD_PRELOAD (a library in the workspace), hoping the privileged launcher (bwrap, started by host root) loads it. Contained: the command's environment reaches bwrap only as --setenv options; bwrap's own environment is PATH alone (checked in /proc on the host while it runs)."""
+    import threading
+
+    marker = f"cadenza-env-{uuid.uuid4().hex}"
+    evil = str(host / "ws" / "evil.so")
+    done = {}
+    t = threading.Thread(
+        target=lambda: done.update(
+            r=box(host / "ws").run(
+                ["sh", "-c", "sleep 1; echo $LD_PRELOAD", marker], env={"LD_PRELOAD": evil}
+            )
+        )
+    )
+    t.start()
+    environs = {}
+    deadline = time.monotonic() + 10
+    while t.is_alive() and time.monotonic() < deadline:
+        for pid in host_pids_with(marker):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe").endswith("bwrap"):
+                    environs[pid] = Path(f"/proc/{pid}/environ").read_bytes()
+        time.sleep(0.05)
+    t.join()
+    assert environs, "never saw the launcher running"
+    assert all(
+        env.split(b"\0")[0].startswith(b"PATH=") and b"LD_PRELOAD" not in env
+        for env in environs.values()
+    ), environs
+    assert done["r"].stdout.strip() == evil  # the command itself does get its variable
 
 
 def test_read_host_environ_through_proc(host):

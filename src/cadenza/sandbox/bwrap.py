@@ -228,7 +228,9 @@ def sandbox_etc() -> Path:
         (etc / name).write_text(text)
     for d in (root, *[p for p in etc.rglob("*") if p.is_dir() and not p.is_symlink()], etc):
         d.chmod(0o755)
-    atexit.register(shutil.rmtree, root, True)
+    owner = os.getpid()
+    # Only the creating process removes it (not a forked worker that exits normally).
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(root, ignore_errors=True))
     return etc
 
 

@@ -106,6 +106,18 @@ def _signal_name(status: int) -> str | None:
         return None
 
 
+def _checked_env(env: Mapping[str, str]) -> dict[str, str]:
+    out = {}
+    for key, value in env.items():
+        key, value = str(key), str(value)
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise SandboxError(
+                f"env: {key!r}: expected a name without '=' or NUL and a value without NUL"
+            )
+        out[key] = value
+    return out
+
+
 _warned: set[str] = set()
 
 
@@ -227,7 +239,10 @@ class Sandbox:
         iso = self.isolation
         for note in iso.notes:
             _warn_once(f"sandbox degraded: {note}", DegradedSandboxWarning)
-        full_env = {**default_env(), **self.env, **(env or {})}
+        # The command's environment travels as bwrap options, not as bwrap's own: bwrap
+        # runs with host privileges until it enters the namespaces, so LD_PRELOAD and the
+        # like must never reach it.
+        full_env = _checked_env({**default_env(), **self.env, **(env or {})})
         leaves, notes = cgroup.create(
             {k: v for k, v in cgroup_limits(self.limits).items() if k in iso.cgroups}
         )
@@ -244,6 +259,9 @@ class Sandbox:
         if filt is not None:
             child_fds.append(filt)
             cmd += ["--seccomp", str(filt)]
+        cmd += ["--clearenv"]
+        for key, value in full_env.items():
+            cmd += ["--setenv", key, value]
         cmd += layout[1:]
         limits = rlimits(self.limits, timeout)
 
@@ -256,7 +274,7 @@ class Sandbox:
             result = self._spawn(
                 [*cmd, *argv],
                 None,
-                full_env,
+                {"PATH": SAFE_PATH},
                 timeout,
                 stdin,
                 True,
@@ -281,7 +299,7 @@ class Sandbox:
         prefix, extra = self._limit_prefix(timeout)
         home = tempfile.mkdtemp(prefix="cadenza-unsafe-home-")
         try:
-            full_env = {**default_env(home), **self.env, **(env or {})}
+            full_env = _checked_env({**default_env(home), **self.env, **(env or {})})
             return self._spawn([*prefix, *argv], wd, full_env, timeout, stdin, False, extra)
         finally:
             shutil.rmtree(home, ignore_errors=True)
