@@ -345,6 +345,20 @@ def test_symlink_escape(host):
     assert set(verdict[1]) <= sandbox_root, verdict[1]
 
 
+def test_symlink_left_for_the_host(host):
+    """Leave symlinks in the workspace (a file, and a parent directory) pointing at host files, for a host-side tool or grader to read or overwrite later. Contained: host code resolves workspace paths with sandbox.inside(), which refuses them (PathEscape)."""
+    from cadenza.sandbox import PathEscape, inside
+
+    ws = host / "ws"
+    secret = host / "secret" / "token"
+    r = box(ws).run(["sh", "-c", f"ln -s {secret} leak && ln -s {host / 'secret'} d && mkdir ok"])
+    assert r.returncode == 0, r
+    for rel in ("leak", "d/token", "d/new_file", "../secret/token", str(secret)):
+        with pytest.raises(PathEscape):
+            inside(ws, rel)
+    assert inside(ws, "ok/new.py") == ws.resolve() / "ok" / "new.py"
+
+
 def test_hardlink_escape(host):
     """Hardlink a host file (a toolchain binary, the venv config) into the workspace to write through it. Contained: the files sit on other mounts: EXDEV, so no link is made."""
     import sys
