@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 
 import cadenza.sandbox.bwrap as bw
 from cadenza.sandbox import (
+    DegradedSandboxWarning,
     Isolation,
     Limits,
     Sandbox,
@@ -306,3 +308,39 @@ def test_seccomp_numbers_match_kernel_headers(machine, header):
     assert set(seccomp.BLOCKED) - set(table) <= {"iopl", "ioperm"}  # x86-only calls
     prog = seccomp.filter_program(machine)
     assert len(prog) % 8 == 0 and len(prog) // 8 < 256
+
+
+def _fake_bwrap(tmp_path, refuse: str) -> str:
+    """A bwrap that refuses one option, as a kernel or policy without that namespace would."""
+    fake = tmp_path / "bwrap"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'for a in "$@"; do [ "$a" = "{refuse}" ] && {{ echo "bwrap: not permitted" >&2; exit 1; }}; done\n'
+        f'exec {shutil.which("bwrap")} "$@"\n'
+    )
+    fake.chmod(0o755)
+    return str(fake)
+
+
+@needs_bwrap
+def test_degrades_explicitly_without_ipc_namespace(ws, tmp_path, monkeypatch):
+    """A namespace the machine refuses is dropped, reported, warned about, and really absent."""
+    iso = bw.probe.__wrapped__(_fake_bwrap(tmp_path, "--unshare-ipc"))
+    assert iso.available and iso.missing == ("ipc",)
+    assert any("ipc namespace" in n for n in iso.notes)
+    monkeypatch.setattr(bw, "probe", lambda: iso)
+    code = "import os; print(os.readlink('/proc/self/ns/ipc'), os.readlink('/proc/self/ns/net'))"
+    with pytest.warns(DegradedSandboxWarning, match="ipc"):
+        r = py(ws, code)
+    ipc, net = r.stdout.split()
+    assert ipc == os.readlink("/proc/self/ns/ipc")  # shared with the host, as reported
+    assert net != os.readlink("/proc/self/ns/net")
+
+
+@needs_bwrap
+def test_unavailable_without_network_namespace(tmp_path, monkeypatch):
+    iso = bw.probe.__wrapped__(_fake_bwrap(tmp_path, "--unshare-net"))
+    assert not iso.available and "network" in " ".join(iso.notes)
+    monkeypatch.setattr(bw, "probe", lambda: iso)
+    with pytest.raises(SandboxUnavailable, match="unsafe"):
+        Sandbox(tmp_path)
