@@ -71,6 +71,16 @@ def _writable_dir(path: Path) -> bool:
         return False
 
 
+def _sweep(parent: Path) -> None:
+    """Remove leaves left by runners that died (named after their pid): empty ones only."""
+    with contextlib.suppress(OSError):
+        for leaf in parent.iterdir():
+            owner = leaf.name.split("-", 1)[0]
+            if leaf.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                with contextlib.suppress(OSError):
+                    leaf.rmdir()
+
+
 @functools.cache
 def find_hierarchy(controller: str) -> Hierarchy | None:
     """Where per-command cgroups with `controller` can be made; None if nowhere (cached)."""
@@ -80,6 +90,7 @@ def find_hierarchy(controller: str) -> Hierarchy | None:
         if fstype == "cgroup" and controller in opts and controller in own:
             parent = Path(point) / own[controller].lstrip("/") / PARENT
             if _writable_dir(parent):
+                _sweep(parent)
                 return Hierarchy(parent, 1)
     for point, fstype, _ in mounts:
         if fstype != "cgroup2" or "" not in own:
@@ -93,6 +104,7 @@ def find_hierarchy(controller: str) -> Hierarchy | None:
                 continue
             # Leaves under `parent` get the controller only when parent delegates it.
             (parent / "cgroup.subtree_control").write_text(f"+{controller}")
+            _sweep(parent)
             return Hierarchy(parent, 2)
         except OSError:
             continue
