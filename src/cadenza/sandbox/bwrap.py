@@ -16,9 +16,9 @@ Layout inside the sandbox (everything else of the host is absent):
 Namespaces: user (the command runs as uid/gid 1000 with no capabilities, and may not make
 further user namespaces), network (only a loopback of its own), pid, ipc, uts, cgroup.
 A seccomp filter (seccomp.py) refuses io_uring, bpf, perf events, userfaultfd, keys.
-`--die-with-parent` ends the sandbox with its runner; `--new-session` detaches it from
-the terminal. When the pid namespace's init exits, the kernel kills every process left
-in it: a daemon cannot outlive its command.
+`--new-session` detaches it from the terminal. bwrap returns as soon as the command
+exits; `--die-with-parent` then kills the namespace's init, and with it the kernel kills
+every process left in the namespace: a daemon cannot outlive its command (nor the runner).
 """
 
 from __future__ import annotations
