@@ -691,6 +691,20 @@ def test_disk_fill_workspace(host):
     assert (host / "ws" / "big").stat().st_size <= 8 << 20
 
 
+def test_disk_fill_many_files(host):
+    """Fill the disk with many files, each under the file-size limit (8 MiB x up to 200). Contained: the runner totals what the run wrote to the workspace (disk_mb=64) and kills it (killed_by="disk")."""
+    code = """
+        import os
+        for i in range(200):
+            with open(f"f{i}", "wb") as f:
+                f.write(os.urandom(8 << 20))
+    """
+    lim = Limits(file_size_mb=8, disk_mb=64)
+    r = py(host / "ws", textwrap.dedent(code), limits=lim, timeout=60)
+    written = sum(p.stat().st_size for p in (host / "ws").iterdir())
+    assert r.killed_by == "disk" and written < 64 * 4 << 20, (r, written >> 20)
+
+
 def test_disk_fill_tmp(host):
     """Fill /tmp with many small files (each under the file-size limit). Contained: /tmp is a size-capped tmpfs (tmp_mb=16): ENOSPC, in the sandbox's memory, gone after the run."""
     code = """

@@ -14,6 +14,7 @@ class SandboxConfig:
     cpu_seconds: float | None = None  # None: timeout + 1
     processes: int = 256  # processes and threads of one sandbox
     file_size_mb: int = 1024
+    disk_mb: int = 4096  # all one command writes to the workspace
     open_files: int = 1024
     output_bytes: int = 1 << 20  # per stream; the rest is dropped and flagged
     tmp_mb: int = 512  # private /tmp

@@ -24,13 +24,22 @@ class Limits:
     total_memory_mb: int | None = None
     processes: int = 256  # processes and threads of the whole sandbox
     file_size_mb: int = 1024  # largest file a process may write (RLIMIT_FSIZE)
+    disk_mb: int = 4096  # all that one command writes to the workspace (disk.py)
     open_files: int = 1024
     output_bytes: int = MiB  # captured stdout and stderr, each; the rest is dropped
     tmp_mb: int = 512  # private /tmp (tmpfs, counts against memory)
     shm_mb: int = 64  # private /dev/shm
 
     def __post_init__(self) -> None:
-        for name in ("memory_mb", "processes", "file_size_mb", "open_files", "tmp_mb", "shm_mb"):
+        for name in (
+            "memory_mb",
+            "processes",
+            "file_size_mb",
+            "disk_mb",
+            "open_files",
+            "tmp_mb",
+            "shm_mb",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Limits.{name}: expected a positive int, found {value!r}")

@@ -12,6 +12,7 @@ import os
 import selectors
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CHUNK = 1 << 16
@@ -26,6 +27,7 @@ class Captured:
     stderr: bytes
     truncated: bool
     timed_out: bool
+    stopped: str | None = None  # what `watch` reported when it asked to stop the child
 
 
 def decode(data: bytes) -> str:
@@ -33,11 +35,19 @@ def decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def pump(proc: subprocess.Popen, stdin: bytes | None, timeout: float, cap: int) -> Captured:
+def pump(
+    proc: subprocess.Popen,
+    stdin: bytes | None,
+    timeout: float,
+    cap: int,
+    watch: Callable[[], str | None] | None = None,
+    every: float = 0.5,
+) -> Captured:
     """Write `stdin`, read both outputs up to `cap` bytes each, until the child has
     exited and its outputs are closed, or `timeout` seconds have passed.
 
-    Returns with `timed_out` set when the deadline passed first; the caller kills the
+    Returns with `timed_out` set when the deadline passed first, or `stopped` set when
+    `watch()` (called every `every` seconds) returned a reason; the caller kills the
     child. The child's pipes are closed on return.
     """
     deadline = time.monotonic() + timeout
@@ -61,17 +71,27 @@ def pump(proc: subprocess.Popen, stdin: bytes | None, timeout: float, cap: int) 
         pidfd = os.pidfd_open(proc.pid)
         sel.register(pidfd, selectors.EVENT_READ, "exit")
     open_outputs = 2
+    stopped = None
+    next_watch = time.monotonic() + every
     try:
         while open_outputs or not exited:
-            wait = deadline - time.monotonic()
+            now = time.monotonic()
+            if watch is not None and now >= next_watch and not exited:
+                stopped = watch()
+                if stopped is not None:
+                    break
+                next_watch = now + every
+            wait = deadline - now
             if wait <= 0:
                 break
+            if watch is not None and not exited:
+                wait = min(wait, max(0.0, next_watch - now))
             if pidfd is None and not open_outputs:
                 try:
                     proc.wait(wait)
                     exited = True
                 except subprocess.TimeoutExpired:
-                    break
+                    pass  # the deadline or the next watch: checked at the top
                 continue
             for key, _ in sel.select(wait):
                 fd = key.fd
@@ -111,5 +131,5 @@ def pump(proc: subprocess.Popen, stdin: bytes | None, timeout: float, cap: int) 
                 with contextlib.suppress(OSError):
                     f.close()
     # Pipes still open after the child's own exit (a daemon holding them) is no timeout.
-    timed_out = not exited and proc.poll() is None
-    return Captured(bytes(bufs[out_fd]), bytes(bufs[err_fd]), truncated, timed_out)
+    timed_out = stopped is None and not exited and proc.poll() is None
+    return Captured(bytes(bufs[out_fd]), bytes(bufs[err_fd]), truncated, timed_out, stopped)

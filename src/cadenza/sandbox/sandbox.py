@@ -36,9 +36,11 @@ from pathlib import Path
 
 from cadenza.sandbox import bwrap as bw
 from cadenza.sandbox import cgroup
+from cadenza.sandbox.disk import DiskWatch
 from cadenza.sandbox.limits import (
     RLIMIT,
     Limits,
+    MiB,
     apply_rlimits,
     cgroup_limits,
     prlimit_argv,
@@ -74,8 +76,8 @@ class SandboxResult:
     timed_out: bool
     duration_s: float
     truncated: bool  # stdout or stderr went past Limits.output_bytes; the rest was dropped
-    killed_by: str | None  # "timeout", "memory" (OOM in the sandbox's cgroup), or the
-    # signal's name ("SIGXCPU", "SIGXFSZ", "SIGKILL", ...)
+    killed_by: str | None  # "timeout", "memory" (OOM in the sandbox's cgroup), "disk"
+    # (Limits.disk_mb), or the signal's name ("SIGXCPU", "SIGXFSZ", "SIGKILL", ...)
     sandboxed: bool = True  # False when run with unsafe=True
 
     @property
@@ -330,8 +332,13 @@ class Sandbox:
                 after_start()
             if confine is not None:
                 confine(proc.pid)
+            disk = DiskWatch(self.workspace, self.limits.disk_mb * MiB)
             cap = pump(
-                proc, stdin, max(0.0, timeout - (time.monotonic() - t0)), self.limits.output_bytes
+                proc,
+                stdin,
+                max(0.0, timeout - (time.monotonic() - t0)),
+                self.limits.output_bytes,
+                watch=disk.check,
             )
         finally:
             if proc.poll() is None:
@@ -350,6 +357,8 @@ class Sandbox:
         status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         if cap.timed_out:
             status, killed_by = TIMEOUT_STATUS, "timeout"
+        elif cap.stopped is not None:
+            killed_by = cap.stopped
         else:
             killed_by = _signal_name(status)
         return SandboxResult(
