@@ -311,6 +311,18 @@ def test_read_system_secrets(host):
     assert verdict == [], r
 
 
+def test_inherited_file_descriptors(host):
+    """Use a file descriptor the runner holds open on a host secret (marked inheritable) to read it. Contained: only stdin/stdout/stderr reach the command (close_fds; bwrap closes its own control fds)."""
+    fd = os.open(host / "secret" / "token", os.O_RDONLY)
+    os.set_inheritable(fd, True)
+    try:
+        code = "import os, json; print(json.dumps(sorted(int(f) for f in os.listdir('/proc/self/fd'))))"
+        r, verdict = attack(host / "ws", code)
+    finally:
+        os.close(fd)
+    assert verdict[:3] == [0, 1, 2] and len(verdict) == 4, r  # 4th: the listing's own fd
+
+
 def test_symlink_escape(host):
     """A symlink in the workspace pointing at a host secret (planted before the run). Contained: the link resolves inside the sandbox, where the target does not exist."""
     ws = host / "ws"
