@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -344,3 +345,21 @@ def test_unavailable_without_network_namespace(tmp_path, monkeypatch):
     monkeypatch.setattr(bw, "probe", lambda: iso)
     with pytest.raises(SandboxUnavailable, match="unsafe"):
         Sandbox(tmp_path)
+
+
+def test_inside_resolves_like_the_host(tmp_path):
+    """inside() agrees with os.path.realpath (the oracle) and refuses what leaves the root."""
+    from cadenza.sandbox import PathEscape, inside
+
+    ws = tmp_path / "ws"
+    (ws / "pkg").mkdir(parents=True)
+    (ws / "alias").symlink_to("pkg")
+    (ws / "out").symlink_to(tmp_path)
+    assert inside(ws, "pkg/a.py") == Path(os.path.realpath(ws / "pkg/a.py"))
+    assert inside(ws, "alias/a.py") == ws.resolve() / "pkg" / "a.py"
+    assert inside(ws, ws / "pkg") == ws.resolve() / "pkg"
+    assert inside(ws, ".") == ws.resolve()
+    assert inside(ws, "out/ws/pkg") == ws.resolve() / "pkg"  # out and back in: fine
+    for bad in ("..", "../ws2/x", "out", "out/secret", "/etc/passwd", "pkg/../../x"):
+        with pytest.raises(PathEscape, match="outside the workspace"):
+            inside(ws, bad)
