@@ -742,6 +742,32 @@ def test_infinite_loop(host):
     assert time.monotonic() - t0 < 10
 
 
+def test_cpu_hog_many_processes(host):
+    """Busy-loop in four processes to take every core of the shared machine. Contained: a CPU quota on the sandbox's cgroup (cpus=0.05 here): together they get 5% of one core, however many processes."""
+    _needs_cgroup("cpu")
+    code = """
+        import json, os, time
+        t0, c0 = time.monotonic(), os.times()
+        kids = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                while time.process_time() < 0.02:
+                    pass
+                os._exit(0)
+            kids.append(pid)
+        for k in kids:
+            os.waitpid(k, 0)
+        c1 = os.times()
+        cpu = c1.children_user + c1.children_system - c0.children_user - c0.children_system
+        print(json.dumps([cpu, time.monotonic() - t0]))
+    """
+    r, verdict = attack(host / "ws", code, limits=Limits(cpus=0.05))
+    cpu, wall = verdict
+    # Uncapped, 0.08 CPU-s take ~0.04 s on two idle cores (a rate near 2 cores).
+    assert cpu >= 0.05 and cpu / wall <= 0.05 * 1.6, (r, cpu, wall)
+
+
 def test_sleep_past_timeout(host):
     """Sleep past the wall-clock timeout (no CPU used, so no CPU limit applies). Contained: killed at the timeout, status 124."""
     r = box(host / "ws", timeout=1).run(["sleep", "60"])

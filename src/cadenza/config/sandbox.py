@@ -16,6 +16,7 @@ class SandboxConfig:
     file_size_mb: int = 1024
     disk_mb: int = 4096  # all one command writes to the workspace
     open_files: int = 1024
+    cpus: float | None = None  # CPU cores one sandbox may use; None: no cap
     output_bytes: int = 1 << 20  # per stream; the rest is dropped and flagged
     tmp_mb: int = 512  # private /tmp
     unsafe: bool = False

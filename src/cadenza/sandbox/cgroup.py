@@ -6,6 +6,8 @@ under the address-space limit, or files piled into the private tmpfs, could stil
 the host down. A cgroup bounds the sandbox as a whole:
 
     pids    pids.max = Limits.processes (processes and threads)
+    cpu     a CFS quota of Limits.cpus cores (when set), so one sandbox cannot take
+            every core of a shared machine until its timeout
     memory  memory.limit_in_bytes (v1) / memory.max (v2) = Limits.total_memory_mb, which
             also counts the sandbox's tmpfs pages; over it the kernel's OOM killer
             ends a process of this sandbox only
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PARENT = "cadenza-sandbox"
-CONTROLLERS = ("pids", "memory")
+CONTROLLERS = ("pids", "memory", "cpu")
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,16 @@ def find_hierarchy(controller: str) -> Hierarchy | None:
     return None
 
 
+CPU_PERIOD_US = 100_000
+
+
 def _settings(controller: str, version: int, value: int) -> dict[str, str]:
     if controller == "pids":
         return {"pids.max": str(value)}
+    if controller == "cpu":  # value: microseconds of CPU per 100 ms period
+        if version == 1:
+            return {"cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": str(value)}
+        return {"cpu.max": f"{value} {CPU_PERIOD_US}"}
     if version == 1:
         # memsw (memory + swap) where the kernel accounts swap, so swap is no way around.
         return {"memory.limit_in_bytes": str(value), "memory.memsw.limit_in_bytes": str(value)}
@@ -151,7 +160,8 @@ class Leaves:
 
 
 def create(limits: dict[str, int]) -> tuple[Leaves, list[str]]:
-    """Leaves enforcing `limits` ({"pids": n, "memory": bytes}) where possible.
+    """Leaves enforcing `limits` ({"pids": n, "memory": bytes, "cpu": quota_us}) where
+    possible.
 
     Returns the leaves and, for each controller that could not be set up, a note.
     """

@@ -26,6 +26,7 @@ class Limits:
     file_size_mb: int = 1024  # largest file a process may write (RLIMIT_FSIZE)
     disk_mb: int = 4096  # all that one command writes to the workspace (disk.py)
     open_files: int = 1024
+    cpus: float | None = None  # CPU cores the whole sandbox may use (cgroup quota); None: all
     output_bytes: int = MiB  # captured stdout and stderr, each; the rest is dropped
     tmp_mb: int = 512  # private /tmp (tmpfs, counts against memory)
     shm_mb: int = 64  # private /dev/shm
@@ -49,6 +50,8 @@ class Limits:
             )
         if self.output_bytes < 0:
             raise ValueError(f"Limits.output_bytes: expected >= 0, found {self.output_bytes!r}")
+        if self.cpus is not None and self.cpus <= 0:
+            raise ValueError(f"Limits.cpus: expected > 0 or None, found {self.cpus!r}")
         if self.cpu_seconds is not None and self.cpu_seconds <= 0:
             raise ValueError(f"Limits.cpu_seconds: expected > 0 or None, found {self.cpu_seconds}")
 
@@ -56,7 +59,10 @@ class Limits:
 def cgroup_limits(limits: Limits) -> dict[str, int]:
     """Whole-sandbox limits for cgroup.create: task count, memory bytes."""
     total = limits.total_memory_mb or limits.memory_mb + limits.tmp_mb + limits.shm_mb
-    return {"pids": limits.processes, "memory": total * MiB}
+    out = {"pids": limits.processes, "memory": total * MiB}
+    if limits.cpus is not None:
+        out["cpu"] = max(1000, round(limits.cpus * 100_000))  # per 100 ms period
+    return out
 
 
 def rlimits(limits: Limits, timeout: float) -> dict[str, tuple[int, int]]:

@@ -245,9 +245,13 @@ class Sandbox:
         # runs with host privileges until it enters the namespaces, so LD_PRELOAD and the
         # like must never reach it.
         full_env = _checked_env({**default_env(), **self.env, **(env or {})})
-        leaves, notes = cgroup.create(
-            {k: v for k, v in cgroup_limits(self.limits).items() if k in iso.cgroups}
-        )
+        wanted = cgroup_limits(self.limits)
+        if "cpu" in wanted and "cpu" not in iso.cgroups:
+            _warn_once(
+                "sandbox degraded: no writable cpu cgroup, Limits.cpus is not applied",
+                DegradedSandboxWarning,
+            )
+        leaves, notes = cgroup.create({k: v for k, v in wanted.items() if k in iso.cgroups})
         for note in notes:
             _warn_once(f"sandbox degraded: {note}", DegradedSandboxWarning)
         layout = bw.bwrap_argv(
