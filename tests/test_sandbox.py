@@ -363,3 +363,9 @@ def test_inside_resolves_like_the_host(tmp_path):
     for bad in ("..", "../ws2/x", "out", "out/secret", "/etc/passwd", "pkg/../../x"):
         with pytest.raises(PathEscape, match="outside the workspace"):
             inside(ws, bad)
+
+
+def test_sandbox_does_not_import_torch():
+    code = "import sys, cadenza.sandbox, cadenza.cli.sandbox; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "False", r.stderr
