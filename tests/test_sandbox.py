@@ -137,7 +137,7 @@ def test_timeout_returns_124(ws):
     t0 = time.monotonic()
     r = box(ws, timeout=0.5).run(["sleep", "30"])
     assert r.timed_out and r.returncode == 124 and r.killed_by == "timeout"
-    assert 0.5 <= r.duration_s < 5 and time.monotonic() - t0 < 5
+    assert 0.5 <= r.duration_s < 10 and time.monotonic() - t0 < 10
 
 
 @needs_bwrap

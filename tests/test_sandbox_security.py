@@ -739,7 +739,7 @@ def test_infinite_loop(host):
     t0 = time.monotonic()
     r = py(host / "ws", "while True: pass", timeout=30, limits=Limits(cpu_seconds=1))
     assert r.killed_by in ("SIGXCPU", "SIGKILL") and not r.timed_out, r
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 25  # well before the 30 s timeout, even on a loaded machine
 
 
 def test_cpu_hog_many_processes(host):
@@ -771,7 +771,7 @@ def test_cpu_hog_many_processes(host):
 def test_sleep_past_timeout(host):
     """Sleep past the wall-clock timeout (no CPU used, so no CPU limit applies). Contained: killed at the timeout, status 124."""
     r = box(host / "ws", timeout=1).run(["sleep", "60"])
-    assert r.timed_out and r.returncode == 124 and 1 <= r.duration_s < 5, r
+    assert r.timed_out and r.returncode == 124 and 1 <= r.duration_s < 10, r
 
 
 def test_daemon_does_not_survive(host):
@@ -797,7 +797,7 @@ def test_daemon_does_not_survive(host):
     """
     t0 = time.monotonic()
     r = py(ws, textwrap.dedent(code), timeout=20)
-    assert time.monotonic() - t0 < 5, r
+    assert time.monotonic() - t0 < 15, r  # before the 20 s timeout
     assert host_pids_with(marker) == []
     size = (ws / "heartbeat").stat().st_size
     time.sleep(0.3)
@@ -808,7 +808,7 @@ def test_daemon_holding_stdout_does_not_hang_runner(host):
     """A detached child that keeps stdout open after the command exits (would make a naive reader wait forever). Contained: the namespace's processes die with the command, so the pipe closes at once."""
     t0 = time.monotonic()
     r = box(host / "ws", timeout=20).run(["sh", "-c", "setsid sleep 60 & echo started"])
-    assert r.stdout == "started\n" and not r.timed_out and time.monotonic() - t0 < 5, r
+    assert r.stdout == "started\n" and not r.timed_out and time.monotonic() - t0 < 15, r
 
 
 def test_timeout_kills_process_tree(host):
