@@ -80,7 +80,13 @@ def test_expert_shard_on_expert_dim_sends_nothing():
 def test_bytes_near_lower_bound_and_balanced_on_k2_miniature():
     # Attention-like row/col blocks and experts sharded on rows (not on E) over 8 ranks.
     H, nope, rope, v, lora, hid, E, I = 6, 24, 12, 24, 40, 96, 16, 40
-    shapes = [(H * (nope + rope), lora), (H * (nope + v), lora), (hid, H * v), (E, I, hid), (E, hid, I)]
+    shapes = [
+        (H * (nope + rope), lora),
+        (H * (nope + v), lora),
+        (hid, H * v),
+        (E, I, hid),
+        (E, hid, I),
+    ]
     units = [
         Units.per_head("rows", H, nope, rope),
         Units.per_head("rows", H, nope, v),

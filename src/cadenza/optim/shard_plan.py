@@ -259,7 +259,9 @@ def make_plan(
     a replicated parameter: every rank holds all of it). Ranks are group-local (0..world-1).
     Buckets hold units of one matrix shape, at most `bucket_numel` elements each.
     """
-    boxes = [[local_box(shapes[p], shard_specs[p][r]) for r in range(world)] for p in range(len(shapes))]
+    boxes = [
+        [local_box(shapes[p], shard_specs[p][r]) for r in range(world)] for p in range(len(shapes))
+    ]
     work: list[UnitWork] = []
     for p, (shape, u) in enumerate(zip(shapes, units)):
         for ub in unit_boxes(shape, u):
