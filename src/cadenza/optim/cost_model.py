@@ -11,6 +11,7 @@ number of experts, row-sharded within each expert over the remaining ranks. Repl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,31 +54,33 @@ class StepCost:
     groups: dict[str, GroupCost] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=64)
 def _plan_group(
-    params: Sequence[tuple[tuple[int, ...], Units]],
+    params: tuple[tuple[tuple[int, ...], Units], ...],
     world: int,
-    specs_for,
+    shard_dim: int,
     elem_bytes: int,
     bucket_numel: int,
     ns_steps: int,
-    repeat: int = 1,
 ) -> GroupCost:
+    """Plan a group whose parameters are all sharded on `shard_dim` over `world` ranks
+    (cached: the scans re-plan the same groups for many GPU counts)."""
     if not params or world < 1:
         return GroupCost(world, 0.0, 0.0, 0.0, 0)
     shapes = [s for s, _ in params]
     units = [u for _, u in params]
-    specs = [[specs_for(s, r) for r in range(world)] for s in shapes]
+    specs = [[[ShardSpec(shard_dim, world, r)] for r in range(world)] for _ in shapes]
     plan = make_plan(shapes, units, specs, world, bucket_numel=bucket_numel, ns_steps=ns_steps)
     flops = plan.flops_per_rank()
-    sent = [plan.bytes_sent(r, elem_bytes) for r in range(world)]
+    sent = plan.bytes_per_rank(elem_bytes)
     return GroupCost(
         ranks=world,
-        flops_max=max(flops) * repeat,
-        flops_mean=sum(flops) / world * repeat,
-        bytes_max=max(sent) * repeat,
-        buckets=len(plan.buckets) * repeat,
-        lower_bound_bytes=plan.lower_bound_bytes(elem_bytes) * repeat,
-        total_bytes=sum(sent) * repeat,
+        flops_max=max(flops),
+        flops_mean=sum(flops) / world,
+        bytes_max=max(sent),
+        buckets=len(plan.buckets),
+        lower_bound_bytes=plan.lower_bound_bytes(elem_bytes),
+        total_bytes=sum(sent),
     )
 
 
@@ -86,7 +89,7 @@ def _link_bw(ranks: int, hw: Hardware) -> float:
 
 
 def predict_step(
-    layers: Sequence[tuple[int, Sequence[tuple[tuple[int, ...], Units]]]],
+    params: Sequence[tuple[tuple[int, ...], Units]],
     gpus: int,
     hw: Hardware | None = None,
     dense_shard: int | None = None,
@@ -95,9 +98,8 @@ def predict_step(
     bucket_numel: int = 1 << 25,
     ns_steps: int = 5,
 ) -> StepCost:
-    """Predict one Muon step for a model given as [(count, params_of_one_such_layer), ...].
+    """Predict one Muon step for a model given as its Muon parameters [(shape, units)].
 
-    Identical layers are planned once and counted `count` times (their buckets are distinct).
     dense_shard: ranks in a dense FSDP shard group (default: min(gpus, gpus_per_node)).
     ep: expert-parallel degree (default: the largest divisor of gpus that divides the expert
     count); the remaining gpus // ep ranks row-shard each expert.
@@ -106,57 +108,29 @@ def predict_step(
     dense_shard = dense_shard or min(gpus, hw.gpus_per_node)
     if gpus % dense_shard:
         raise ValueError(f"dense_shard={dense_shard} must divide gpus={gpus}")
-    n_experts = max((s[0] for _, ps in layers for s, u in ps if u.kind == "experts"), default=0)
+    n_experts = max((s[0] for s, u in params if u.kind == "experts"), default=0)
     if n_experts and ep is None:
         ep = max(d for d in range(1, gpus + 1) if gpus % d == 0 and n_experts % d == 0)
     ep = ep or 1
     if gpus % ep:
         raise ValueError(f"ep={ep} must divide gpus={gpus}")
     inner = gpus // ep  # ranks sharing one expert's rows
-
-    dense_cost = GroupCost(dense_shard, 0, 0, 0, 0)
-    expert_cost = GroupCost(inner, 0, 0, 0, 0)
-    for count, params in layers:
-        dense = [(s, u) for s, u in params if u.kind not in ("experts", "adamw")]
-        experts = [(s, u) for s, u in params if u.kind == "experts"]
-        d = _plan_group(
-            dense,
-            dense_shard,
-            lambda s, r: [ShardSpec(0, dense_shard, r)],
-            elem_bytes,
-            bucket_numel,
-            ns_steps,
-            count,
-        )
-        # One expert-parallel rank's local experts, row-sharded over `inner` ranks.
-        local = [((s[0] // ep,) + tuple(s[1:]), u) for s, u in experts]
-        e = _plan_group(
-            local,
-            inner,
-            lambda s, r: [ShardSpec(1, inner, r)],
-            elem_bytes,
-            bucket_numel,
-            ns_steps,
-            count,
-        )
-        for acc, g in ((dense_cost, d), (expert_cost, e)):
-            acc.flops_max += g.flops_max
-            acc.flops_mean += g.flops_mean
-            acc.bytes_max += g.bytes_max
-            acc.buckets += g.buckets
-            acc.lower_bound_bytes += g.lower_bound_bytes
-            acc.total_bytes += g.total_bytes
+    dense = [(tuple(s), u) for s, u in params if u.kind not in ("experts", "adamw")]
+    # One expert-parallel rank's local experts, row-sharded over `inner` ranks.
+    local = [((s[0] // ep,) + tuple(s[1:]), u) for s, u in params if u.kind == "experts"]
+    dense_cost = _plan_group(tuple(dense), dense_shard, 0, elem_bytes, bucket_numel, ns_steps)
+    expert_cost = _plan_group(tuple(local), inner, 1, elem_bytes, bucket_numel, ns_steps)
     rate = hw.peak_flops * hw.ns_efficiency
     # Dense and expert work run one after the other on each GPU.
     compute = (dense_cost.flops_max + expert_cost.flops_max) / rate
     comm = dense_cost.bytes_max / _link_bw(dense_shard, hw) + expert_cost.bytes_max / _link_bw(
         inner, hw
     )
-    buckets = max(dense_cost.buckets + expert_cost.buckets, 1)
-    comm += hw.latency_s * 2 * (dense_cost.buckets + expert_cost.buckets)
+    n_buckets = dense_cost.buckets + expert_cost.buckets
+    comm += hw.latency_s * 2 * n_buckets
     # Pipelined buckets: the longer stream sets the pace; one bucket of the shorter one is
     # exposed at the start (first gather) and end (last return).
-    exposed = min(compute, comm) / buckets * 2 if comm > 0 else 0.0
+    exposed = min(compute, comm) / max(n_buckets, 1) * 2 if comm > 0 else 0.0
     total = max(compute, comm) + exposed
     return StepCost(
         gpus=gpus,
@@ -169,48 +143,37 @@ def predict_step(
     )
 
 
+def best_layout(params, gpus: int, hw: Hardware | None = None, dense_shard=None, **kw) -> StepCost:
+    """The fastest predicted step over dense shard-group sizes (powers of two from one node up
+    to 256 ranks, or the given one): wider dense groups split the dense units further but send
+    over slower links."""
+    hw = hw or Hardware()
+    if dense_shard:
+        return predict_step(params, gpus, hw, dense_shard=dense_shard, **kw)
+    options = [d for d in (2**i for i in range(0, 9)) if d <= gpus and gpus % d == 0]
+    options = [d for d in options if d >= min(gpus, hw.gpus_per_node)] or [gpus]
+    return min(
+        (predict_step(params, gpus, hw, dense_shard=d, **kw) for d in options),
+        key=lambda c: c.total_s,
+    )
+
+
 def gpus_for_target(
-    layers,
+    params,
     target_s: float,
     hw: Hardware | None = None,
     candidates: Sequence[int] | None = None,
     **kw,
 ) -> tuple[int | None, list[StepCost]]:
-    """Smallest GPU count among `candidates` whose predicted step time is <= target_s."""
+    """Smallest GPU count among `candidates` whose best predicted step time is <= target_s."""
     candidates = candidates or [8 * 2**i for i in range(0, 10)]
     results = []
     for n in candidates:
-        c = predict_step(layers, n, hw, **kw)
+        c = best_layout(params, n, hw, **kw)
         results.append(c)
         if c.total_s <= target_s:
             return n, results
     return None, results
-
-
-def model_layers_from_units(named: Sequence[tuple[str, tuple[int, ...], Units]]):
-    """Group a model's (name, shape, units) list into identical layers: [(count, params)].
-
-    Parameters are keyed by their name with the layer index removed, so all MoE layers
-    (and all dense layers) with the same shapes collapse into one entry each.
-    """
-    import re
-
-    groups: dict[tuple, list] = {}
-    order: list[tuple] = []
-    for name, shape, units in named:
-        m = re.search(r"layers\.(\d+)\.", name)
-        layer = int(m.group(1)) if m else -1
-        key_name = re.sub(r"layers\.\d+\.", "layers.*.", name)
-        groups.setdefault(layer, []).append((key_name, tuple(shape), units))
-        if layer not in order:
-            order.append(layer)
-    buckets: dict[tuple, int] = {}
-    params_of: dict[tuple, list] = {}
-    for layer in order:
-        sig = tuple((n, s, u) for n, s, u in groups[layer])
-        buckets[sig] = buckets.get(sig, 0) + 1
-        params_of[sig] = [(s, u) for _, s, u in groups[layer]]
-    return [(count, params_of[sig]) for sig, count in buckets.items()]
 
 
 def describe(c: StepCost) -> str:
@@ -227,8 +190,8 @@ __all__ = [
     "GroupCost",
     "Hardware",
     "StepCost",
+    "best_layout",
     "describe",
     "gpus_for_target",
-    "model_layers_from_units",
     "predict_step",
 ]

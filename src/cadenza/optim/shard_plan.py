@@ -15,6 +15,7 @@ an expert under expert sharding) stays there: nothing is sent for it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -169,15 +170,19 @@ class Plan:
     def owned(self, bucket: Bucket, rank: int) -> list[int]:
         return [u for u in bucket.units if self.units[u].owner == rank]
 
+    def bytes_per_rank(self, elem_bytes: int) -> list[int]:
+        """Bytes each rank sends to other ranks in one step: its pieces of units owned
+        elsewhere (gather) plus, as an owner, the other ranks' pieces (return)."""
+        sent = [0] * self.world
+        for w in self.units:
+            for src, piece in w.pieces.items():
+                if src != w.owner:
+                    sent[src] += piece.numel
+                    sent[w.owner] += piece.numel
+        return [x * elem_bytes for x in sent]
+
     def bytes_sent(self, rank: int, elem_bytes: int) -> int:
-        """Bytes `rank` sends to other ranks in one step (gather + return)."""
-        total = 0
-        for b in self.buckets:
-            sc = self.send_counts(b, rank)
-            rc = self.recv_counts(b, rank)
-            total += sum(c for r, c in enumerate(sc) if r != rank)
-            total += sum(c for r, c in enumerate(rc) if r != rank)  # returned slices
-        return total * elem_bytes
+        return self.bytes_per_rank(elem_bytes)[rank]
 
     def lower_bound_bytes(self, elem_bytes: int) -> int:
         """Total bytes any owner choice must move: each split unit's data minus its largest
@@ -189,7 +194,7 @@ class Plan:
         return total * elem_bytes
 
     def total_bytes(self, elem_bytes: int) -> int:
-        return sum(self.bytes_sent(r, elem_bytes) for r in range(self.world))
+        return sum(self.bytes_per_rank(elem_bytes))
 
     def flops_per_rank(self) -> list[int]:
         loads = [0] * self.world
@@ -243,6 +248,34 @@ def assign_owners(
     return owners
 
 
+def _candidate_ranks(rank_boxes: list[Box]):
+    """A function giving the ranks whose box may intersect a query box. When the ranks' boxes
+    differ along one dimension only (one Shard placement, the common case), a bisection on
+    that dimension finds them in O(log world); otherwise all ranks are candidates."""
+    world = len(rank_boxes)
+    nonempty = [r for r in range(world) if rank_boxes[r].numel > 0]
+    if not nonempty:
+        return lambda ub: []
+    ndim = len(rank_boxes[0].start)
+    varying = [
+        d
+        for d in range(ndim)
+        if len({(rank_boxes[r].start[d], rank_boxes[r].stop[d]) for r in nonempty}) > 1
+    ]
+    if len(varying) != 1:
+        return lambda ub: nonempty
+    d = varying[0]
+    order = sorted(nonempty, key=lambda r: rank_boxes[r].start[d])
+    starts = [rank_boxes[r].start[d] for r in order]
+
+    def find(ub: Box) -> list[int]:
+        lo = max(bisect.bisect_right(starts, ub.start[d]) - 1, 0)
+        hi = bisect.bisect_left(starts, ub.stop[d])
+        return order[lo:hi]
+
+    return find
+
+
 def make_plan(
     shapes: Sequence[Sequence[int]],
     units: Sequence[Units],
@@ -264,9 +297,10 @@ def make_plan(
     ]
     work: list[UnitWork] = []
     for p, (shape, u) in enumerate(zip(shapes, units)):
+        find = _candidate_ranks(boxes[p])
         for ub in unit_boxes(shape, u):
             pieces = {}
-            for r in range(world):
+            for r in find(ub):
                 inter = ub.intersect(boxes[p][r])
                 if inter is not None:
                     pieces[r] = inter
