@@ -12,6 +12,7 @@ from pathlib import Path
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
 from cadenza.config.optim import OptimConfig
+from cadenza.config.parallel import ParallelConfig
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def tiny() -> Config:
