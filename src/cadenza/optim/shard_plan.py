@@ -201,7 +201,9 @@ class Plan:
         for w in self.units:
             c = ns_flops(*w.shape, self.ns_steps)
             if w.replicated:
-                loads = [x + c for x in loads]
+                for r in range(self.world):
+                    if self.local_boxes[w.param][r].numel:
+                        loads[r] += c
             else:
                 loads[w.owner] += c
         return loads
@@ -219,14 +221,17 @@ def assign_owners(
     world: int,
     loads: list[int] | None = None,
     balance_slack: float = 0.05,
+    allowed: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
     """Owner per unit: longest-processing-time first; each unit goes to the rank holding most
     of it unless that would push the rank above (1 + slack) x the ideal load, else to the least
-    loaded rank. A unit held entirely by one rank always stays there. `loads` carries load
-    between buckets and is updated in place."""
+    loaded rank among `allowed[i]` (default: all). A unit held entirely by one rank always
+    stays there. `loads` carries load between buckets and is updated in place."""
     loads = loads if loads is not None else [0] * world
     owners = [-1] * len(costs)
-    target = (sum(costs) + sum(loads)) / world
+    n_allowed = [len(a) for a in allowed] if allowed is not None else [world] * len(costs)
+    # Ideal load of a rank: its share of the work of the groups it can take.
+    target = (sum(c / k for c, k in zip(costs, n_allowed)) + sum(loads) / world) if costs else 0
     # Pinned units first: they have no choice, and the others balance around them.
     for i, h in enumerate(holdings):
         if len(h) == 1:
@@ -234,10 +239,12 @@ def assign_owners(
             owners[i] = r
             loads[r] += costs[i]
     order = sorted((i for i in range(len(costs)) if owners[i] < 0), key=lambda i: (-costs[i], i))
+    everyone = range(world)
     for i in order:
         h = holdings[i]
+        cands = allowed[i] if allowed is not None else everyone
         best = min(h, key=lambda r: (-h[r], loads[r], r)) if h else None
-        least = min(range(world), key=lambda r: (loads[r], r))
+        least = min(cands, key=lambda r: (loads[r], r))
         if best is not None and loads[best] + costs[i] <= max(
             target * (1 + balance_slack), loads[least] + costs[i]
         ):
@@ -248,7 +255,7 @@ def assign_owners(
     return owners
 
 
-def _candidate_ranks(rank_boxes: list[Box]):
+def _candidate_ranks(rank_boxes: Sequence[Box]):
     """A function giving the ranks whose box may intersect a query box. When the ranks' boxes
     differ along one dimension only (one Shard placement, the common case), a bisection on
     that dimension finds them in O(log world); otherwise all ranks are candidates."""
@@ -256,7 +263,7 @@ def _candidate_ranks(rank_boxes: list[Box]):
     nonempty = [r for r in range(world) if rank_boxes[r].numel > 0]
     if not nonempty:
         return lambda ub: []
-    ndim = len(rank_boxes[0].start)
+    ndim = len(rank_boxes[nonempty[0]].start)
     varying = [
         d
         for d in range(ndim)
@@ -285,50 +292,77 @@ def make_plan(
     ns_steps: int = 5,
     balance_slack: float = 0.05,
 ) -> Plan:
-    """Plan one optimizer step's Newton-Schulz work.
+    """Plan one optimizer step's Newton-Schulz work from Shard placements.
 
     shapes[p]: global shape of parameter p; units[p]: its declared units;
     shard_specs[p][r]: the Shard placements of parameter p on rank r of the group (empty for
     a replicated parameter: every rank holds all of it). Ranks are group-local (0..world-1).
-    Buckets hold units of one matrix shape, at most `bucket_numel` elements each.
     """
     boxes = [
         [local_box(shapes[p], shard_specs[p][r]) for r in range(world)] for p in range(len(shapes))
     ]
+    return plan_from_boxes(shapes, units, boxes, world, None, bucket_numel, ns_steps, balance_slack)
+
+
+def plan_from_boxes(
+    shapes: Sequence[Sequence[int]],
+    units: Sequence[Units],
+    boxes: Sequence[Sequence[Box]],
+    world: int,
+    groups: Sequence[Sequence[int]] | None = None,
+    bucket_numel: int = 1 << 24,
+    ns_steps: int = 5,
+    balance_slack: float = 0.05,
+) -> Plan:
+    """Plan from explicit boxes: boxes[p][r] is the part of parameter instance p rank r holds
+    (an empty box where it holds none). groups[p] lists the ranks among which instance p is
+    partitioned (default: all); its units get owners only in that group. One instance per
+    (parameter, replica group) lets a single plan over all ranks serve HSDP: replicas run the
+    same work independently, and no bytes cross replica groups.
+    Buckets hold units of one matrix shape, at most `bucket_numel` elements each.
+    """
+    groups = [list(g) for g in groups] if groups is not None else [list(range(world))] * len(shapes)
     work: list[UnitWork] = []
     for p, (shape, u) in enumerate(zip(shapes, units)):
         find = _candidate_ranks(boxes[p])
+        size = len(groups[p])
         for ub in unit_boxes(shape, u):
             pieces = {}
             for r in find(ub):
                 inter = ub.intersect(boxes[p][r])
                 if inter is not None:
                     pieces[r] = inter
-            if world > 1 and len(pieces) == world and all(pc == ub for pc in pieces.values()):
+            if size > 1 and len(pieces) == size and all(pc == ub for pc in pieces.values()):
                 work.append(UnitWork(p, ub, {}, replicated=True))
             else:
+                if not pieces:
+                    raise ValueError(
+                        f"parameter {p}: no rank holds unit {ub}; the shard boxes do not cover it"
+                    )
                 work.append(UnitWork(p, ub, pieces))
     by_shape: dict[tuple[int, int], list[int]] = {}
     loads = [0] * world
     for i, w in enumerate(work):
         if w.replicated:
-            loads = [x + ns_flops(*w.shape, ns_steps) for x in loads]
+            for r in groups[w.param]:
+                loads[r] += ns_flops(*w.shape, ns_steps)
         else:
             by_shape.setdefault(w.shape, []).append(i)
     buckets: list[Bucket] = []
     # Largest work first so later, smaller buckets fill in the balance.
-    for shape in sorted(by_shape, key=lambda s: -ns_flops(*s, ns_steps)):
+    for shape in sorted(by_shape, key=lambda s: (-ns_flops(*s, ns_steps), s)):
         idx = by_shape[shape]
         costs = [ns_flops(*shape, ns_steps)] * len(idx)
         holdings = [{r: pc.numel for r, pc in work[i].pieces.items()} for i in idx]
-        owners = assign_owners(costs, holdings, world, loads, balance_slack)
+        allowed = [groups[work[i].param] for i in idx]
+        owners = assign_owners(costs, holdings, world, loads, balance_slack, allowed)
         for i, o in zip(idx, owners):
             work[i].owner = o
         per_unit = shape[0] * shape[1]
         cap = max(1, bucket_numel // max(per_unit, 1))
         for s in range(0, len(idx), cap):
             buckets.append(Bucket(shape, idx[s : s + cap]))
-    plan = Plan(world, work, buckets, boxes, ns_steps)
+    plan = Plan(world, work, buckets, [list(b) for b in boxes], ns_steps)
     plan.stats = {
         "units": len(work),
         "buckets": len(buckets),
