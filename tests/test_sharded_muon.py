@@ -172,3 +172,46 @@ def test_sharded_equals_single_process(world_size, awkward):
             assert r["expert_bytes"] in (None, 0), f"{layout}: experts sent {r['expert_bytes']} B"
             # Bytes actually sent equal the plan's count (NS dtype fp32 here: 4 bytes/element).
             assert r["step_bytes"] == r["bytes"], (layout, r)
+
+
+def _build_optimizer_matches(rank, ws):
+    """build_optimizer on a parallelized model (sharded Muon + AdamW on DTensors) takes the
+    same steps as on the single-process model."""
+    from torch.distributed.tensor import DTensor
+
+    from cadenza.config.optim import OptimConfig
+    from cadenza.config.parallel import ParallelConfig
+    from cadenza.optim import build_optimizer
+    from cadenza.optim.sharded import ShardedMuon
+    from cadenza.parallel import init_distributed, parallelize
+
+    torch.manual_seed(0)
+    base = _model(awkward=False)
+    cfg = OptimConfig(ns_dtype="float32", warmup_steps=0)
+    ref = copy.deepcopy(base)
+    ref_opt = build_optimizer(ref, cfg, total_steps=10)
+    pcfg = ParallelConfig(shard=2, cp=2, ep=4, expert_shard=1)
+    meshes = init_distributed(pcfg, n_routed_experts=8)
+    model = parallelize(copy.deepcopy(base), pcfg, meshes)
+    opt = build_optimizer(model, cfg, total_steps=10)
+    assert isinstance(opt.muon, ShardedMuon)
+    for step in range(2):
+        g = torch.Generator().manual_seed(7 + step)
+        for (_, rp), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+            full = torch.randn(rp.shape, generator=g)
+            rp.grad = full
+            p.grad = _shard_of(full, p)
+        ref_opt.step()
+        opt.step()
+    worst = 0.0
+    for (_, rp), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        got = p.full_tensor() if isinstance(p, DTensor) else p
+        worst = max(worst, (got - rp.detach()).abs().max().item())
+    return worst
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_build_optimizer_uses_sharded_muon_and_matches():
+    for rank, worst in enumerate(run_distributed(_build_optimizer_matches, 4, timeout=300)):
+        assert worst <= 1e-5, f"rank {rank}: max abs diff {worst}"
