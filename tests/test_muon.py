@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -329,3 +330,25 @@ def test_tiny_model_units_equal_hand_assembled_update():
         for sl, (r, c) in zip(units.slices(w.shape), units.unit_shapes(w.shape)):
             w[sl] = w[sl] - lr * unit_scale(r, c) * fp32_ns(v[sl])
         assert (p.detach() - w).abs().max() <= 1e-6, n
+
+
+def test_resume_from_torch_muon_state():
+    """torch.optim.Muon's state dict loads into cadenza's Muon (same momentum_buffer layout)."""
+    init = [torch.randn(*s) for s in SHAPES]
+    grads = _grads(SHAPES, 6)
+    theirs = [p.clone().requires_grad_() for p in init]
+    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    for step, gs in enumerate(grads):
+        for p, g in zip(theirs, gs):
+            p.grad = g.clone()
+        ref.step()
+        if step == 2:
+            ours = [p.detach().clone().requires_grad_() for p in theirs]
+            opt = Muon(ours, lr=0.02, weight_decay=0.1)
+            opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch shares buffers
+    for gs in grads[3:]:
+        for p, g in zip(ours, gs):
+            p.grad = g.clone()
+        opt.step()
+    for p, q in zip(ours, theirs):
+        assert (p - q).abs().max() <= 3 * 0.02 * 2.3 * 1.5 * 2**-8

@@ -250,6 +250,11 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group, units in zip(self.param_groups, current):
             group["units"] = units
+            # A torch.optim.Muon checkpoint names the lr rule adjust_lr_fn and lacks ns_dtype.
+            if "adjust_lr" not in group and "adjust_lr_fn" in group:
+                group["adjust_lr"] = group["adjust_lr_fn"] or "original"
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         self.skipped_steps = skipped
 
     @staticmethod
