@@ -15,6 +15,12 @@ stacked and orthogonalized in one batched call per shape per step.
 The functional core (`muon_direction`, `unit_scale`, `muon_unit_update`, `unit_views`) is
 what the sharded optimizer reuses; `Muon` only keeps the momentum buffers and does the
 bookkeeping of gathering unit views into stacks and writing results back.
+
+Reproducing these results bit for bit elsewhere (e.g. with sharded parameters): momentum and
+V are elementwise (`lerp` as in `muon_direction`, on any shard); each unit's V is cast to the
+NS dtype, transposed if tall, and orthogonalized by `newton_schulz_` in any batch (results do
+not depend on the batch's other members); then W <- W * (1 - lr wd) on the whole parameter,
+and W_U.add_(O_U, alpha=-lr * unit_scale(r, c)) with O_U still in the NS dtype.
 """
 
 from __future__ import annotations
