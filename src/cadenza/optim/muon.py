@@ -18,8 +18,9 @@ bookkeeping of gathering unit views into stacks and writing results back.
 
 Reproducing these results bit for bit elsewhere (e.g. with sharded parameters): momentum and
 V are elementwise (`lerp` as in `muon_direction`, on any shard); each unit's V is cast to the
-NS dtype, transposed if tall, and orthogonalized by `newton_schulz_` in any batch (results do
-not depend on the batch's other members); then W <- W * (1 - lr wd) on the whole parameter,
+NS dtype, transposed if tall, and orthogonalized by `newton_schulz_` in any batch (on CPU the
+result does not depend on the batch's other members, which tests check; GPU batched GEMMs may
+pick other kernels for other batch sizes); then W <- W * (1 - lr wd) on the whole parameter,
 and W_U.add_(O_U, alpha=-lr * unit_scale(r, c)) with O_U still in the NS dtype.
 """
 
