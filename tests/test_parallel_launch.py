@@ -34,3 +34,15 @@ def test_torchrun_bad_layout_exits_with_the_rule():
     run = _torchrun(2, "parallel.ep=3", "model.num_hidden_layers=2")
     assert run.returncode != 0
     assert "expert: replicate x shard x ep = world size" in run.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_a_failing_rank_ends_the_job_with_its_error():
+    import time
+
+    t0 = time.monotonic()
+    run = _torchrun(2, "--fail-on-rank=1", "model.num_hidden_layers=2", "model.vocab_size=256")
+    assert run.returncode != 0
+    assert "failure drill on rank 1" in run.stdout + run.stderr
+    assert time.monotonic() - t0 < 120  # rank 0, blocked in a collective, did not hang

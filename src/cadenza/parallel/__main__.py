@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument(
+        "--fail-on-rank",
+        type=int,
+        default=None,
+        help="drill: this rank raises before the step while the others wait in collectives; "
+        "the launcher must end them all with that error",
+    )
     args = ap.parse_args(argv)
     # gathering strided expert shards for the comparison warns that it takes two steps
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_loss.backward()
 
     model = parallelize(base, cfg.parallel, meshes)
+    if dist.is_initialized() and dist.get_rank() == args.fail_on_rank:
+        raise RuntimeError(f"failure drill on rank {args.fail_on_rank} (--fail-on-rank)")
     loss = parallel_lm_loss(model, ids, labels, meshes)
     loss.backward()
     total = loss.detach().clone()
