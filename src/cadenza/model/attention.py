@@ -88,6 +88,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, dim, bias=bias)
         self.record_max_logit = False
         self.max_logit: torch.Tensor | None = None
+        # Injection point for context parallelism (set from outside, e.g. cadenza.parallel):
+        # kv_gather(c_kv, k_pe, mask) -> (c_kv, k_pe, mask) over the whole sequence.
+        self.kv_gather = None
 
     def param_units(self) -> dict[str, Units]:
         h = self.num_heads
@@ -133,6 +136,8 @@ class Attention(nn.Module):
             if T == 1:
                 out = self._absorbed(q_nope, q_pe, c_kv, k_pe, mask)
                 return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
+        elif self.kv_gather is not None:
+            c_kv, k_pe, mask = self.kv_gather(c_kv, k_pe, mask)
         S = c_kv.shape[1]
 
         kv = self.kv_b_proj(c_kv).view(B, S, self.num_heads, self.nope_dim + self.v_dim)
