@@ -347,6 +347,7 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 "grad_norm": grad_norm,
                 "tokens": position * data.train.tokens_per_batch,
                 "tokens_per_s": tps,
+                "step_time": dt,
                 "epoch": data.train.epoch_of(position),
             }
             if step % tcfg.eval_every == 0 or step == tcfg.steps:
