@@ -184,8 +184,14 @@ def test_resume_problems_give_clear_errors(tokenizer_path, reference, tmp_path):
     ref_out, result = reference
     with pytest.raises(PretrainError, match="no checkpoint under .*run without --resume"):
         pretrain(_cfg(tokenizer_path, tmp_path / "empty", "train.resume=true"))
-    with pytest.raises(PretrainError, match="already holds a run .*pass --resume"):
-        pretrain(_cfg(tokenizer_path, ref_out))
+    # A fresh run where a run exists moves the old one aside (nothing lost).
+    again = tmp_path / "again"
+    shutil.copytree(ref_out, again)
+    messages = []
+    pretrain(_cfg(tokenizer_path, again, "train.steps=2"), log=messages.append)
+    (moved,) = tmp_path.glob("again.*")
+    assert any(f"moved it to {moved}" in m for m in messages)
+    assert _losses(moved) == _losses(ref_out) and len(_losses(again)) == 2
     with pytest.raises(PretrainError, match=r"config differs .*model.hidden_size"):
         pretrain(_cfg(tokenizer_path, ref_out, "train.resume=true", "model.hidden_size=48"))
 

@@ -142,6 +142,18 @@ class StopSignals:
             signal.signal(s, h)
 
 
+def move_aside(out: Path) -> Path:
+    """Rename run directory `out` to `<out>.<timestamp>[-k]` so a fresh run loses nothing."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = out.with_name(f"{out.name}.{stamp}")
+    k = 1
+    while aside.exists():
+        aside = out.with_name(f"{out.name}.{stamp}-{k}")
+        k += 1
+    os.rename(out, aside)
+    return aside
+
+
 def obtain_tokenizer(cfg: Config, out_dir: Path, log: Callable[[str], None]) -> Tokenizer:
     """cfg.tokenizer.path if set; else the one cached in out_dir if trained the same way;
     else train one on the corpus and cache it."""
@@ -254,13 +266,12 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
             )
         say(f"resuming from {existing} (step {state['step']})")
     else:
-        if existing is not None:
-            raise PretrainError(
-                f"{out} already holds a run (latest checkpoint {existing.name}); pass --resume "
-                f"to continue it, or set train.out_dir to a new directory, or delete {out}"
-            )
+        given = Tokenizer.from_file(cfg.tokenizer.path) if cfg.tokenizer.path else None
+        if existing is not None or (out / METRICS_FILE).exists():
+            aside = move_aside(out)
+            say(f"{out} held an earlier run: moved it to {aside} (--resume continues a run)")
         out.mkdir(parents=True, exist_ok=True)
-        tokenizer = obtain_tokenizer(cfg, out, say)
+        tokenizer = given or obtain_tokenizer(cfg, out, say)
 
     model_cfg = model_config_for(cfg.model, tokenizer)
     data = load_corpus(cfg, tokenizer)
