@@ -13,6 +13,7 @@ from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
 from cadenza.config.optim import OptimConfig
 from cadenza.config.parallel import ParallelConfig
+from cadenza.config.sandbox import SandboxConfig
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def tiny() -> Config:
