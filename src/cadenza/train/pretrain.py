@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -270,6 +271,8 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
         if existing is not None or (out / METRICS_FILE).exists():
             aside = move_aside(out)
             say(f"{out} held an earlier run: moved it to {aside} (--resume continues a run)")
+            if (aside / TOKENIZER_DIR).is_dir():  # keep the cached tokenizer
+                shutil.copytree(aside / TOKENIZER_DIR, out / TOKENIZER_DIR)
         out.mkdir(parents=True, exist_ok=True)
         tokenizer = given or obtain_tokenizer(cfg, out, say)
 
