@@ -194,6 +194,8 @@ def test_resume_problems_give_clear_errors(tokenizer_path, reference, tmp_path):
     assert _losses(moved) == _losses(ref_out) and len(_losses(again)) == 2
     with pytest.raises(PretrainError, match=r"config differs .*model.hidden_size"):
         pretrain(_cfg(tokenizer_path, ref_out, "train.resume=true", "model.hidden_size=48"))
+    with pytest.raises(PretrainError, match=r"optimizer state: .*optim.optimizer"):
+        pretrain(_cfg(tokenizer_path, ref_out, "train.resume=true", "optim.optimizer=adamw"))
 
     def broken(name, damage):
         out = tmp_path / name

@@ -298,7 +298,10 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 "written (files changed?); resume on the same corpus or start a fresh run"
             )
         model.load_state_dict(loaded.state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise PretrainError(f"--resume from {existing}: optimizer state: {e}") from e
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         step, position = state["step"], state["data_position"]
