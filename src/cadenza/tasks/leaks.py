@@ -1,0 +1,154 @@
+"""Leak scan: is any trace of the removed code left in a workspace or its environment?
+
+What counts as a trace of a removed definition:
+- a definition of its name (`def NAME`, `class NAME`) in any text file;
+- a private helper's name anywhere (nothing else uses it, by construction);
+- its dotted name (`pkg.mod.NAME`) in a non-Python file (type-checker caches, stubs, indexes);
+- at least half (and two or more) of its distinctive source lines in one file;
+- a code object with its qualified name from its module, in any .pyc (marshal-decoded);
+- a removed file's path in a listing (egg-info SOURCES.txt, RECORD);
+- git objects are decompressed and scanned like files.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import marshal
+import re
+import types
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cadenza.tasks.discover import Definition
+
+MIN_LINE = 12  # shorter lines are too generic to fingerprint
+
+
+@dataclass
+class Secret:
+    """What must not be recoverable from a task's workspace."""
+
+    names: set[str]  # all removed definition names
+    private: set[str]  # removed private helper names
+    dotted: set[str]  # "pkg.mod.name"
+    module_file: str  # "pkg/mod.py": where the code objects came from
+    fingerprints: set[str] = field(default_factory=set)
+    removed_files: set[str] = field(default_factory=set)
+
+
+def _docstring_lines(node: ast.AST) -> set[int]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.body:
+            first = n.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.update(range(first.lineno, first.end_lineno + 1))
+    return out
+
+
+def secret_for(
+    defs: list[Definition], text: str, module: str, removed_files: set[str] = frozenset()
+) -> Secret:
+    lines = text.splitlines()
+    tree = ast.parse(text)
+    doc = _docstring_lines(tree)
+    fps = set()
+    for d in defs:
+        for i in range(d.start, d.end + 1):
+            s = lines[i - 1].strip()
+            if i not in doc and len(s) >= MIN_LINE and not s.startswith("#"):
+                fps.add(s)
+    names = {d.name for d in defs}
+    return Secret(
+        names=names,
+        private={n for n in names if n.startswith("_")},
+        dotted={f"{module}.{n}" for n in names},
+        module_file=defs[0].file,
+        fingerprints=fps,
+        removed_files=set(removed_files),
+    )
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _code_objects(c)
+
+
+def scan_pyc(data: bytes, secret: Secret) -> str | None:
+    if not any(n.encode() in data for n in secret.names):
+        return None
+    if data[:4] != importlib.util.MAGIC_NUMBER:
+        return "bytecode of another Python version names a removed definition"
+    try:
+        code = marshal.loads(data[16:])
+    except (ValueError, EOFError, TypeError):
+        return "undecodable bytecode names a removed definition"
+    for c in _code_objects(code):
+        qual = getattr(c, "co_qualname", c.co_name)
+        if qual.split(".")[0] in secret.names and c.co_filename.endswith(secret.module_file):
+            return f"bytecode contains the compiled {qual} from {secret.module_file}"
+    return None
+
+
+def scan_text(text: str, rel: str, secret: Secret) -> str | None:
+    for n in secret.names:
+        if re.search(rf"^\s*(async\s+def|def|class)\s+{re.escape(n)}\b", text, re.M):
+            return f"defines removed {n}"
+    for n in secret.private:
+        if re.search(rf"\b{re.escape(n)}\b", text):
+            return f"mentions removed private helper {n}"
+    if not rel.endswith(".py"):
+        for d in secret.dotted:
+            if d in text:
+                return f"mentions {d}"
+        for f in secret.removed_files:
+            if f in text:
+                return f"lists removed file {f}"
+    if len(secret.fingerprints) >= 2:
+        present = {line.strip() for line in text.splitlines()}
+        hits = len(secret.fingerprints & present)
+        if hits >= 2 and hits * 2 >= len(secret.fingerprints):
+            return f"contains {hits}/{len(secret.fingerprints)} lines of the removed code"
+    return None
+
+
+def _git_object(data: bytes) -> bytes:
+    try:
+        return zlib.decompress(data)
+    except zlib.error:
+        return data
+
+
+def scan_tree(
+    root: Path, secret: Secret, skip: set[str] = frozenset(), *, env: bool = False
+) -> list[str]:
+    """Findings ("path: reason") for every file under root (git objects decompressed).
+
+    env: root is an environment, where any file at the module's own path is an installed copy.
+    """
+    found = []
+    for path in sorted(root.rglob("*")):
+        if not path.is_file() or path.is_symlink():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if rel in skip:
+            continue
+        if env and (rel == secret.module_file or rel.endswith("/" + secret.module_file)):
+            found.append(f"{rel}: an installed copy of {secret.module_file}")
+            continue
+        data = path.read_bytes()
+        if rel.startswith(".git/objects/"):
+            data = _git_object(data)
+        if path.suffix in (".pyc", ".pyo"):
+            why = scan_pyc(data, secret)
+        elif b"\0" in data[:8192]:
+            why = None
+        else:
+            why = scan_text(data.decode("utf-8", "replace"), rel, secret)
+        if why:
+            found.append(f"{rel}: {why}")
+    return found
