@@ -95,8 +95,9 @@ def scan_pyc(data: bytes, secret: Secret) -> str | None:
 
 
 def scan_text(text: str, rel: str, secret: Secret) -> str | None:
+    indent = "" if rel.endswith(".py") else r"\s*"  # nested same-name methods are not copies
     for n in secret.names:
-        if re.search(rf"^\s*(async\s+def|def|class)\s+{re.escape(n)}\b", text, re.M):
+        if re.search(rf"^{indent}(async\s+def|def|class)\s+{re.escape(n)}\b", text, re.M):
             return f"defines removed {n}"
     for n in secret.private:
         if re.search(rf"\b{re.escape(n)}\b", text):
@@ -117,10 +118,13 @@ def scan_text(text: str, rel: str, secret: Secret) -> str | None:
 
 
 def _git_object(data: bytes) -> bytes:
+    """A loose git object's content (blobs only; trees and commits are not source)."""
     try:
-        return zlib.decompress(data)
+        raw = zlib.decompress(data)
     except zlib.error:
         return data
+    header, _, body = raw.partition(b"\0")
+    return body if header.startswith(b"blob ") else b""
 
 
 def scan_tree(
