@@ -51,6 +51,8 @@ def delete_spans(text: str, spans: Iterable[tuple[int, int]]) -> str:
             j += 1
         blanks_after = j - i
         keep_after = max(0, blanks_after - blanks_before) if j <= len(lines) else 0
+        if out and out[-1].rstrip().endswith(":"):  # right after a block opener: no blank
+            keep_after = 0
         if j > len(lines):  # hole at the end of the file: no trailing blank lines
             while out and not out[-1].strip():
                 out.pop()
