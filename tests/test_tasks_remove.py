@@ -9,7 +9,6 @@ import py_compile
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
