@@ -360,7 +360,7 @@ def test_hanging_test_times_out_cleanly(tmp_path):
             "--out",
             str(out),
             "--timeout",
-            "20",
+            "12",
         ],
         capture_output=True,
         text=True,

@@ -170,12 +170,17 @@ def find_features(
     """Candidate features: public top-level definitions executed by at least one passing test."""
     all_defs = {rel: definitions(rel, texts[rel]) for rel in library}
     n_defs = sum(len(v) for v in all_defs.values()) or 1
+    # removal is by name across modules, so a name defined in two modules is ambiguous
+    defined: dict[str, int] = {}
+    for ds in all_defs.values():
+        for d in ds:
+            defined[d.name] = defined.get(d.name, 0) + 1
     features = []
     for rel, defs in all_defs.items():
         names = [d.name for d in defs]
         lines_cov = coverage.get(rel, {})
         for d in defs:
-            if d.name.startswith("_") or names.count(d.name) > 1:
+            if d.name.startswith("_") or names.count(d.name) > 1 or defined[d.name] > 1:
                 continue
             helpers = exclusive_helpers(d, defs, texts)
             tests = set()

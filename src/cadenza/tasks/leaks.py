@@ -4,7 +4,8 @@ What counts as a trace of a removed definition:
 - a definition of its name (`def NAME`, `class NAME`) in any text file;
 - a private helper's name anywhere (nothing else uses it, by construction);
 - its dotted name (`pkg.mod.NAME`) in a non-Python file (type-checker caches, stubs, indexes);
-- at least half (and two or more) of its distinctive source lines in one file;
+- a run of consecutive distinctive source lines (blank and comment lines aside) matching
+  its body in order: all of a short body, else at least max(3, half) of its lines;
 - a code object with its qualified name from its module, in any .pyc (marshal-decoded);
 - a removed file's path in a listing (egg-info SOURCES.txt, RECORD);
 - git objects are decompressed and scanned like files.
@@ -34,7 +35,7 @@ class Secret:
     private: set[str]  # removed private helper names
     dotted: set[str]  # "pkg.mod.name"
     module_file: str  # "pkg/mod.py": where the code objects came from
-    fingerprints: set[str] = field(default_factory=set)
+    fingerprints: list[list[str]] = field(default_factory=list)  # per definition, in order
     removed_files: set[str] = field(default_factory=set)
 
 
@@ -54,12 +55,15 @@ def secret_for(
     lines = text.splitlines()
     tree = ast.parse(text)
     doc = _docstring_lines(tree)
-    fps = set()
+    fps = []
     for d in defs:
+        seq = []
         for i in range(d.start, d.end + 1):
             s = lines[i - 1].strip()
-            if i not in doc and len(s) >= MIN_LINE and not s.startswith("#"):
-                fps.add(s)
+            if i not in doc and s and not s.startswith("#"):
+                seq.append(s)
+        if sum(len(x) >= MIN_LINE for x in seq) >= 2:
+            fps.append(seq)
     names = {d.name for d in defs}
     return Secret(
         names=names,
@@ -109,12 +113,30 @@ def scan_text(text: str, rel: str, secret: Secret) -> str | None:
         for f in secret.removed_files:
             if f in text:
                 return f"lists removed file {f}"
-    if len(secret.fingerprints) >= 2:
-        present = {line.strip() for line in text.splitlines()}
-        hits = len(secret.fingerprints & present)
-        if hits >= 2 and hits * 2 >= len(secret.fingerprints):
-            return f"contains {hits}/{len(secret.fingerprints)} lines of the removed code"
+    if secret.fingerprints:
+        significant = [
+            x for x in (line.strip() for line in text.splitlines()) if x and not x.startswith("#")
+        ]
+        for seq in secret.fingerprints:
+            run = longest_common_run(significant, seq)
+            if run >= min(len(seq), max(3, len(seq) // 2)):
+                return f"contains {run} consecutive lines of the removed code"
     return None
+
+
+def longest_common_run(a: list[str], b: list[str]) -> int:
+    """Length of the longest run a[i:i+k] == b[j:j+k] (dynamic programming over matches)."""
+    where: dict[str, list[int]] = {}
+    for j, x in enumerate(b):
+        where.setdefault(x, []).append(j)
+    best = 0
+    prev: dict[int, int] = {}
+    for x in a:
+        cur = {j: prev.get(j - 1, 0) + 1 for j in where.get(x, ())}
+        if cur:
+            best = max(best, max(cur.values()))
+        prev = cur
+    return best
 
 
 def _git_object(data: bytes) -> bytes:

@@ -5,7 +5,8 @@ dynamic context to the running test's id (discovery), and can restrict a run to 
 It imports nothing from cadenza: it runs inside the project's own interpreter.
 
 Environment: CADENZA_PROBE_OUT (JSON written at session end), CADENZA_PROBE_SELECT (file
-with one test id per line: everything else is deselected).
+with one test id per line: everything else is deselected), CADENZA_PROBE_REPEAT (run the
+selected tests that many times in a row; outcomes of every repetition are reported).
 """
 
 import json
@@ -13,7 +14,8 @@ import os
 
 import pytest
 
-_outcomes = {}
+_outcomes = {}  # test id -> outcome of its latest repetition
+_repeats = {}  # test id -> outcome per repetition
 _collect_errors = []
 
 
@@ -27,15 +29,17 @@ def _coverage():
 
 def pytest_collection_modifyitems(session, config, items):
     path = os.environ.get("CADENZA_PROBE_SELECT")
-    if not path:
-        return
-    with open(path) as f:
-        wanted = set(f.read().splitlines())
-    keep = [i for i in items if i.nodeid in wanted]
-    drop = [i for i in items if i.nodeid not in wanted]
-    items[:] = keep
-    if drop:
-        config.hook.pytest_deselected(items=drop)
+    if path:
+        with open(path) as f:
+            wanted = set(f.read().splitlines())
+        keep = [i for i in items if i.nodeid in wanted]
+        drop = [i for i in items if i.nodeid not in wanted]
+        items[:] = keep
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+    repeat = int(os.environ.get("CADENZA_PROBE_REPEAT", "1"))
+    if repeat > 1:
+        items[:] = items * repeat
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -43,9 +47,11 @@ def pytest_runtest_protocol(item, nextitem):
     cov = _coverage()
     if cov is not None:
         cov.switch_context(item.nodeid)
+    _outcomes.pop(item.nodeid, None)
     yield
     if cov is not None:
         cov.switch_context("")
+    _repeats.setdefault(item.nodeid, []).append(_outcomes.get(item.nodeid, "absent"))
 
 
 def pytest_runtest_logreport(report):
@@ -77,7 +83,12 @@ def pytest_sessionfinish(session, exitstatus):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(
-            {"tests": _outcomes, "collect_errors": _collect_errors, "exitstatus": int(exitstatus)},
+            {
+                "tests": _outcomes,
+                "repeats": _repeats,
+                "collect_errors": _collect_errors,
+                "exitstatus": int(exitstatus),
+            },
             f,
         )
     os.replace(tmp, path)

@@ -124,7 +124,6 @@ def drop_references(text: str, names: set[str], *, aliases: bool = True) -> tupl
                     aliases
                     and isinstance(node, ast.Assign)
                     and len(node.targets) == 1
-                    and target not in names
                     and value is not None
                     and (
                         {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}

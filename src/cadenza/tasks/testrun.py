@@ -29,6 +29,7 @@ class TestRun:
     duration_s: float
     output: str = ""
     coverage: dict[str, dict[int, list[str]]] = field(default_factory=dict)  # file -> line -> ids
+    repeats: dict[str, list[str]] = field(default_factory=dict)  # id -> outcome per repetition
 
     def passed(self) -> set[str]:
         return {t for t, o in self.outcomes.items() if o == "passed"}
@@ -45,8 +46,10 @@ def run_tests(
     timeout: float,
     select: list[str] | None = None,
     coverage: bool = False,
+    repeat: int = 1,
 ) -> TestRun:
-    """Run pytest once in workspace with the project's environment (select: only these ids)."""
+    """Run pytest once in workspace with the project's environment (select: only these ids;
+    repeat: run them that many times in a row in the same process)."""
     workspace = workspace.resolve()
     scratch = workspace / RUN_DIR
     shutil.rmtree(scratch, ignore_errors=True)
@@ -63,6 +66,8 @@ def run_tests(
     if select is not None:
         (scratch / "select.txt").write_text("\n".join(select) + "\n")
         env["CADENZA_PROBE_SELECT"] = str(scratch / "select.txt")
+    if repeat > 1:
+        env["CADENZA_PROBE_REPEAT"] = str(repeat)
     argv = [str(venv / "bin" / "python")]
     if coverage:
         argv += [
@@ -102,6 +107,7 @@ def run_tests(
         duration_s=res.duration_s,
         output=(res.stdout + res.stderr)[-4000:],
         coverage=cov,
+        repeats=report.get("repeats", {}),
     )
 
 
