@@ -276,10 +276,14 @@ def test_runner_caps_output(tmp_path):
 
 def test_fingerprints_need_the_body_in_order_not_similar_code():
     secret = _secret()
-    copy = "def area_again(r):\n    # reformatted copy\n        return math.pi * _square(_norm(r))\n"
+    copy = (
+        "def area_again(r):\n    # reformatted copy\n        return math.pi * _square(_norm(r))\n"
+    )
     similar = "def other(r):\n    return math.pi * _norm(r)\n"
     whole = MODULE.replace("def area(r)", "def area2(r)").replace("_square", "_sq")
     assert leaks.longest_common_run(["a", "b", "c", "d"], ["x", "b", "c", "y"]) == 2
     assert leaks.scan_text(similar, "x.py", secret) is None
-    assert leaks.scan_text(whole, "x.py", secret) is None or "area" in leaks.scan_text(whole, "x.py", secret)
+    assert leaks.scan_text(whole, "x.py", secret) is None or "area" in leaks.scan_text(
+        whole, "x.py", secret
+    )
     assert leaks.scan_text(copy, "notes.txt", secret) is not None  # private helper name
