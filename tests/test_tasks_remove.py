@@ -287,3 +287,9 @@ def test_fingerprints_need_the_body_in_order_not_similar_code():
         whole, "x.py", secret
     )
     assert leaks.scan_text(copy, "notes.txt", secret) is not None  # private helper name
+
+
+def test_tasks_layer_does_not_import_torch():
+    code = "import sys, cadenza.tasks, cadenza.cli.tasks, cadenza.bench.tasks; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"

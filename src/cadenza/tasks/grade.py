@@ -62,9 +62,12 @@ def filter_patch(patch: str) -> tuple[str, list[str]]:
     """(the patch without sections touching protected paths, the protected paths touched)."""
     kept, dropped = [], []
     for paths, text in split_patch(patch):
-        bad = sorted(p for p in paths if is_protected(p) or p.startswith(".git/") or not paths)
-        if bad or not paths:
-            dropped += bad or ["<unparsable section>"]
+        if not paths:
+            dropped.append("<section without file names>")
+            continue
+        bad = sorted(p for p in paths if is_protected(p) or p.split("/")[0] == ".git")
+        if bad:
+            dropped += bad
         else:
             kept.append(text)
     return "".join(kept), dropped
