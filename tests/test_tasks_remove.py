@@ -44,6 +44,7 @@ def perimeter(r):
 
 
 unit = area
+area.__doc__ += " (also unit)"
 '''
 
 EXPECTED = '''"""Shapes."""

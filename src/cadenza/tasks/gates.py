@@ -168,7 +168,11 @@ def _validate(job: Job, runner: Runner) -> dict[str, Any]:
         if run.timed_out:
             raise Rejected(f"suite timed out after removal ({job.timeout:.0f}s)")
         if run.collect_errors:
-            raise Rejected(f"collection fails after removal: {', '.join(run.collect_errors[:3])}")
+            errors = [ln.strip() for ln in run.output.splitlines() if re.match(r"E\s+\w+Error", ln)]
+            raise Rejected(
+                f"collection fails after removal: {', '.join(run.collect_errors[:3])}"
+                + (f" ({errors[-1][1:].strip()})" if errors else "")
+            )
         broken = [t for t in visible_p2p if run.outcomes.get(t) != "passed"]
         if broken:
             raise Rejected(

@@ -83,10 +83,21 @@ def _all_strings(node: ast.AST) -> bool:
     )
 
 
+def _sets_attribute_of(node: ast.stmt, names: set[str]) -> bool:
+    targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+    for t in targets:
+        while isinstance(t, ast.Attribute | ast.Subscript):
+            t = t.value
+            if isinstance(t, ast.Name) and t.id in names:
+                return True
+    return False
+
+
 def drop_references(text: str, names: set[str], *, aliases: bool = True) -> tuple[str, set[str]]:
     """Drop names from from-imports and `__all__`; delete module-level aliases of them.
 
-    An alias is `x = <expr naming a removed name>` at module level (e.g. `comp = compose`,
+    Statements setting an attribute or item of a removed name go too. An alias is
+    `x = <expr naming a removed name>` at module level (e.g. `comp = compose`,
     `groupby = curry(toolz.groupby)`); its target is removed too and returned, so callers can
     treat it as part of the feature. Returns (new text, names removed in this file).
     """
@@ -99,7 +110,9 @@ def drop_references(text: str, names: set[str], *, aliases: bool = True) -> tupl
         lines = text.splitlines(keepends=True)
         edits: list[tuple[ast.stmt, ast.stmt | None]] = []
         for node in _statements(tree.body):
-            if isinstance(node, ast.ImportFrom) and node.names[0].name != "*":
+            if aliases and _sets_attribute_of(node, names):  # e.g. `f.__doc__ = ...`
+                edits.append((node, None))
+            elif isinstance(node, ast.ImportFrom) and node.names[0].name != "*":
                 keep = [
                     a
                     for a in node.names
