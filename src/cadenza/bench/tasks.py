@@ -61,12 +61,12 @@ def run(argv: list[str]) -> dict:
         runner = SubprocessRunner()
         suite_s = median_time(lambda: run_tests(runner, ws, venv, timeout=600), repeats=3, warmup=0)
 
-    per_task = statistics.median(summary["validation_seconds"])
+    per_task = statistics.median(summary["validation_seconds"])  # every candidate tried
     per_accepted = statistics.median(summary["accepted_validation_seconds"])
     result = {
         "source": args.source,
         "accepted": summary["accepted"],
-        "candidates": summary["candidates"],
+        "candidates": summary["accepted"] + summary["rejected"],
         "build_seconds": round(summary["build_seconds"], 2),
         "tasks_per_hour": round(summary["accepted"] / summary["build_seconds"] * 3600, 1),
         "suite_seconds_baseline": round(suite_s, 3),

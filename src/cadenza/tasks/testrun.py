@@ -88,6 +88,11 @@ def run_tests(
         f"--rootdir={workspace}",
         "--continue-on-collection-errors",
     ]
+    if select:
+        # collect only the files the selected tests live in (ids are rootdir-relative)
+        files = sorted({t.split("::")[0] for t in select})
+        if all((workspace / f).is_file() for f in files):
+            argv += ["--", *files]
     try:
         res = runner.run(argv, workspace, timeout=timeout, env=env, ro_binds=[venv])
         report_path = scratch / "report.json"
