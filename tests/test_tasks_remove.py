@@ -294,3 +294,19 @@ def test_tasks_layer_does_not_import_torch():
     code = "import sys, cadenza.tasks, cadenza.cli.tasks, cadenza.bench.tasks; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+def test_difficulty_bands_partition_scores_and_bad_band_is_refused(tmp_path):
+    from cadenza.tasks.build import BANDS, BuildOptions, build, difficulty_score
+    from cadenza.tasks.errors import TaskError
+
+    small = {"lines_removed": 10, "symbols_removed": 1, "files_removed": 0, "centrality": 0.0}
+    big = {"lines_removed": 80, "symbols_removed": 3, "files_removed": 0, "centrality": 0.05}
+    assert difficulty_score(small) == 0.5 and difficulty_score(big) == 6.5
+    bands = [b for b in ("easy", "medium", "hard") if BANDS[b][0] <= 0.5 < BANDS[b][1]]
+    assert bands == ["easy"]
+    with pytest.raises(TaskError, match="expected one of easy, medium, hard, any"):
+        build(
+            str(tmp_path), tmp_path / "out", BuildOptions(difficulty="brutal"), log=lambda m: None
+        )
+    assert not (tmp_path / "out").exists()
