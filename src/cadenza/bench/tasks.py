@@ -74,6 +74,7 @@ def run(argv: list[str]) -> dict:
         "validation_seconds_per_accepted_task": round(per_accepted, 2),
         "validation_vs_suite": round(per_task / suite_s, 2),
         "rejection_reasons": summary["rejection_reasons"],
+        "gate_seconds": summary["gate_seconds"],
     }
     print(
         f"{args.source}: {result['accepted']}/{result['candidates']} candidates accepted in "

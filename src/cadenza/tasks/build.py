@@ -236,6 +236,7 @@ def build(
             "rejection_reasons": _reason_counts(rejected),
             "validation_seconds": [r["seconds"] for r in accepted + rejected],
             "accepted_validation_seconds": [r["seconds"] for r in accepted],
+            "gate_seconds": [r["gate_seconds"] for r in accepted],
             "build_seconds": time.monotonic() - t_start,
             "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
         }

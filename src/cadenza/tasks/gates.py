@@ -114,8 +114,14 @@ def _exports(texts: dict[str, str], feature: Feature, root: str, exported: list[
 def validate(job: Job, runner: Runner | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
-        instance = _validate(job, runner or default_runner())
-        return {"ok": True, "instance": instance, "seconds": time.monotonic() - t0}
+        clock: dict[str, float] = {}
+        instance = _validate(job, runner or default_runner(), clock)
+        return {
+            "ok": True,
+            "instance": instance,
+            "seconds": time.monotonic() - t0,
+            "gate_seconds": clock,
+        }
     except (Rejected, RemovalError, TaskError) as e:
         return {
             "ok": False,
@@ -125,7 +131,15 @@ def validate(job: Job, runner: Runner | None = None) -> dict[str, Any]:
         }
 
 
-def _validate(job: Job, runner: Runner) -> dict[str, Any]:
+def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -> dict[str, Any]:
+    clock = {} if clock is None else clock
+    last = [time.monotonic()]
+
+    def lap(name: str) -> None:
+        now = time.monotonic()
+        clock[name] = round(now - last[0], 3)
+        last[0] = now
+
     f = job.feature
     root = import_root(job.baseline)
     texts = {r: (job.baseline / r).read_text() for r in job.files if r.endswith(".py")}
@@ -162,6 +176,7 @@ def _validate(job: Job, runner: Runner) -> dict[str, Any]:
         gold = diff_to(ws, {r: texts[r] for r in lib_changes})
         test_patch = diff_to(ws, {r: texts[r] for r in test_changes})
 
+        lap("prepare")
         # A: the remaining suite still collects and passes
         visible_p2p = sorted(passing - hidden)
         run = run_tests(runner, ws, job.venv, timeout=job.timeout)
@@ -180,6 +195,7 @@ def _validate(job: Job, runner: Runner) -> dict[str, Any]:
                 f"({run.outcomes.get(broken[0], 'absent')})"
             )
 
+        lap("A_suite")
         # B: hidden tests fail without the feature, consistently
         err = apply_patch(ws, test_patch)
         if err:
@@ -246,6 +262,7 @@ def _validate(job: Job, runner: Runner) -> dict[str, Any]:
             },
         }
 
+        lap("B_hidden_x3")
         # C, D: gold resolves, stub does not (affected tests only; A ran the rest)
         touched = set(lib_changes)
         affected = sorted(
@@ -279,6 +296,7 @@ def _validate(job: Job, runner: Runner) -> dict[str, Any]:
         if res["resolved"]:
             raise Rejected("a NotImplementedError stub passes every hidden test")
 
+        lap("C_D_gold_stub")
         # E: no trace of the removed code anywhere the agent can read. Computing patches left
         # the original files as git objects: rebuild the repository (same deterministic commit).
         if init_repo(ws) != base_commit:
@@ -293,6 +311,7 @@ def _validate(job: Job, runner: Runner) -> dict[str, Any]:
                 f"leak: {findings[0]}"
                 + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else "")
             )
+        lap("E_leak_scan")
         return instance
     except BaseException:
         job.tar_path.unlink(missing_ok=True)

@@ -156,6 +156,8 @@ def scan_tree(
 
     env: root is an environment, where any file at the module's own path is an installed copy.
     """
+    needles = {x.encode() for x in secret.names | secret.dotted | secret.removed_files}
+    needles |= {line.encode() for seq in secret.fingerprints for line in seq}
     found = []
     for path in sorted(root.rglob("*")):
         if not path.is_file() or path.is_symlink():
@@ -169,6 +171,8 @@ def scan_tree(
         data = path.read_bytes()
         if rel.startswith(".git/objects/"):
             data = _git_object(data)
+        if not any(n in data for n in needles):  # every check needs one of these substrings
+            continue
         if path.suffix in (".pyc", ".pyo"):
             why = scan_pyc(data, secret)
         elif b"\0" in data[:8192]:
