@@ -310,3 +310,24 @@ def test_difficulty_bands_partition_scores_and_bad_band_is_refused(tmp_path):
             str(tmp_path), tmp_path / "out", BuildOptions(difficulty="brutal"), log=lambda m: None
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_whole_module_removal_drops_its_imports_and_aliases():
+    from cadenza.tasks.discover import find_module_features
+    from cadenza.tasks.gates import plan_removal
+
+    texts = {
+        "pkg/__init__.py": "from .shapes import *\nfrom .util import twice\n",
+        "pkg/shapes.py": MODULE,
+        "pkg/util.py": "from pkg import shapes\nfrom pkg.shapes import area as a\n\n\n"
+        "def twice(x):\n    return 2 * x\n\n\nhalf_unit = shapes.unit\n",
+    }
+    cov = {"pkg/shapes.py": {19: ["test_t.py::test_area"]}}
+    lib = list(texts)
+    feats = find_module_features(texts, lib, cov, {"test_t.py::test_area"})
+    assert [(f.module, f.kind, f.files_removed) for f in feats] == [("pkg.shapes", "module", 1)]
+    changed, names, _ = plan_removal(texts, lib, feats[0])
+    assert changed["pkg/shapes.py"] is None
+    assert changed["pkg/__init__.py"] == "from .util import twice\n"
+    assert changed["pkg/util.py"] == "def twice(x):\n    return 2 * x\n"
+    assert {"area", "perimeter", "shapes", "a", "half_unit"} <= names

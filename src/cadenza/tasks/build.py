@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cadenza.tasks.discover import Feature, find_features
+from cadenza.tasks.discover import Feature, find_features, find_module_features
 from cadenza.tasks.environment import ensure_venv, spec_for
 from cadenza.tasks.errors import TaskError
 from cadenza.tasks.gates import Job, validate
@@ -61,7 +61,7 @@ def difficulty_features(f: Feature) -> dict[str, Any]:
     return {
         "lines_removed": f.lines,
         "symbols_removed": len(f.defs),
-        "files_removed": 0,
+        "files_removed": f.files_removed,
         "centrality": round(f.centrality, 4),
         "callers": len(f.callers),
     }
@@ -168,7 +168,9 @@ def build(
 
         texts = {r: (baseline / r).read_text() for r in files if r.endswith(".py")}
         library = library_files(baseline, files)
-        features = find_features(texts, library, first.coverage, passing, import_root(baseline))
+        root = import_root(baseline)
+        features = find_features(texts, library, first.coverage, passing, root)
+        features += find_module_features(texts, library, first.coverage, passing, root)
         lo, hi = BANDS[opts.difficulty]
         scored = [(difficulty_score(difficulty_features(f)), f) for f in features]
         in_band = sorted(

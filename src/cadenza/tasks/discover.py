@@ -36,8 +36,8 @@ class Feature:
     name: str
     file: str
     module: str
-    kind: str
-    defs: list[Definition]  # the feature first, then its exclusive private helpers
+    kind: str  # "function" | "class" | "module"
+    defs: list[Definition]  # the feature first, then its exclusive private helpers (a module: all)
     tests: set[str]  # ids of passing tests that execute its body
     callers: list[str] = field(default_factory=list)  # other definitions that mention it
     centrality: float = 0.0  # callers / definitions in the project
@@ -49,6 +49,10 @@ class Feature:
     @property
     def lines(self) -> int:
         return sum(d.end - d.start + 1 for d in self.defs)
+
+    @property
+    def files_removed(self) -> int:
+        return 1 if self.kind == "module" else 0
 
 
 def module_name(rel: str, root: str = ".") -> str:
@@ -208,6 +212,51 @@ def find_features(
                     len(callers) / n_defs,
                 )
             )
+    return features
+
+
+def find_module_features(
+    texts: dict[str, str],
+    library: list[str],
+    coverage: Coverage,
+    passing: set[str],
+    root: str = ".",
+) -> list[Feature]:
+    """Candidate whole-module features: a non-package module with definitions, all of whose
+    names are unique in the project, executed by at least one passing test."""
+    all_defs = {rel: definitions(rel, texts[rel]) for rel in library}
+    n_mods = len(library) or 1
+    defined: dict[str, int] = {}
+    for ds in all_defs.values():
+        for d in ds:
+            defined[d.name] = defined.get(d.name, 0) + 1
+    features = []
+    for rel, defs in all_defs.items():
+        if rel.endswith("__init__.py") or not defs or any(defined[d.name] > 1 for d in defs):
+            continue
+        mod = module_name(rel, root)
+        lines_cov = coverage.get(rel, {})
+        tests = {
+            t
+            for d in defs
+            for ln in d.body_lines
+            for t in lines_cov.get(ln, ())
+            if t in passing and is_test_file(t.split("::")[0])
+        }
+        if not tests:
+            continue
+        last = mod.rpartition(".")[2]
+        importers = sorted(
+            module_name(r, root)
+            for r in library
+            if r != rel
+            and re.search(
+                rf"\b(import\s+{re.escape(last)}\b|\.{re.escape(last)}\s+import)", texts[r]
+            )
+        )
+        features.append(
+            Feature(last, rel, mod, "module", defs, tests, importers, len(importers) / n_mods)
+        )
     return features
 
 

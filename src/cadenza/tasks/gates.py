@@ -26,7 +26,13 @@ from cadenza.tasks.environment import EnvSpec, site_packages
 from cadenza.tasks.errors import TaskError
 from cadenza.tasks.grade import grade_prediction
 from cadenza.tasks.leaks import scan_tree, secret_for
-from cadenza.tasks.remove import RemovalError, drop_references, remove_definitions, remove_tests
+from cadenza.tasks.remove import (
+    RemovalError,
+    drop_module_imports,
+    drop_references,
+    remove_definitions,
+    remove_tests,
+)
 from cadenza.tasks.runner import Runner, default_runner
 from cadenza.tasks.scrub import apply_patch, copy_files, diff_to, git, init_repo, write_files
 from cadenza.tasks.source import import_root, is_test_file, library_files
@@ -72,22 +78,41 @@ def stub_text(text: str, feature: Feature) -> str:
 
 
 def plan_removal(
-    texts: dict[str, str], library: list[str], feature: Feature
+    texts: dict[str, str], library: list[str], feature: Feature, root: str = "."
 ) -> tuple[dict[str, str | None], set[str], list[str]]:
     """Library edits: definitions out, re-exports and aliases out (across modules, to a
     fixpoint). Returns (changed files, every removed name, modules that re-exported it)."""
     names = set(feature.names)
-    changed: dict[str, str] = {}
-    text = remove_definitions(texts[feature.file], feature.defs)
-    text, aliases = drop_references(text, names)
-    changed[feature.file] = text
-    names |= aliases
+    changed: dict[str, str | None] = {}
+    if feature.kind == "module":
+        changed[feature.file] = None
+        public = {d.name for d in feature.defs if not d.name.startswith("_")}
+        for rel in library:
+            if rel == feature.file:
+                continue
+            new, bound = drop_module_imports(
+                texts[rel],
+                module_name(rel, root),
+                rel.endswith("__init__.py"),
+                feature.module,
+                public,
+            )
+            if new != texts[rel]:
+                changed[rel] = new
+                names |= bound
+    else:
+        text = remove_definitions(texts[feature.file], feature.defs)
+        text, aliases = drop_references(text, names)
+        changed[feature.file] = text
+        names |= aliases
     exported = []
     grew = True
     while grew:
         grew = False
         for rel in library:
             cur = changed.get(rel, texts[rel])
+            if cur is None:
+                continue
             new, more = drop_references(cur, names)
             if new != cur:
                 changed[rel] = new
@@ -147,7 +172,7 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
     test_files = [r for r in job.files if is_test_file(r)]
     passing = set(job.passing)
 
-    lib_changes, names, exported = plan_removal(texts, library, f)
+    lib_changes, names, exported = plan_removal(texts, library, f, root)
     keys, whole = tests_naming(texts, test_files, names)
     hidden_keys = {test_key(t) for t in f.tests} | keys
     hidden = {t for t in passing if test_key(t) in hidden_keys or t.split("::")[0] in whole}
@@ -179,6 +204,8 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
         lap("prepare")
         # A: the remaining suite still collects and passes
         visible_p2p = sorted(passing - hidden)
+        if not visible_p2p:
+            raise Rejected("no test is left to check that the rest still works")
         run = run_tests(runner, ws, job.venv, timeout=job.timeout)
         if run.timed_out:
             raise Rejected(f"suite timed out after removal ({job.timeout:.0f}s)")
@@ -301,9 +328,8 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
         # the original files as git objects: rebuild the repository (same deterministic commit).
         if init_repo(ws) != base_commit:
             raise Rejected("rebuilding the workspace repository gave a different commit")
-        secret = secret_for(
-            f.defs, module_text, f.module, {r for r, t in test_changes.items() if t is None}
-        )
+        gone = {r for r, t in {**lib_changes, **test_changes}.items() if t is None}
+        secret = secret_for(f.defs, module_text, f.module, gone)
         findings = scan_tree(ws, secret)
         findings += scan_tree(site_packages(job.venv), secret, {"cadenza_probe.py"}, env=True)
         if findings:

@@ -51,7 +51,7 @@ def delete_spans(text: str, spans: Iterable[tuple[int, int]]) -> str:
             j += 1
         blanks_after = j - i
         keep_after = max(0, blanks_after - blanks_before) if j <= len(lines) else 0
-        if out and out[-1].rstrip().endswith(":"):  # right after a block opener: no blank
+        if not out or out[-1].rstrip().endswith(":"):  # file start or block opener: no blank
             keep_after = 0
         if j > len(lines):  # hole at the end of the file: no trailing blank lines
             while out and not out[-1].strip():
@@ -161,6 +161,55 @@ def drop_references(text: str, names: set[str], *, aliases: bool = True) -> tupl
         text = delete_spans("".join(lines), deletions)
         changed = True
     return text, removed
+
+
+def resolve_import(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ImportFrom names, seen from module `importer`."""
+    if not node.level:
+        return node.module or ""
+    parts = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def drop_module_imports(
+    text: str, importer: str, is_package: bool, module: str, public: set[str]
+) -> tuple[str, set[str]]:
+    """Delete imports of a removed module (`from .m import *`, `from .m import a`,
+    `from . import m`); returns (new text, names that were bound by them)."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    parent, _, last = module.rpartition(".")
+    edits: list[tuple[ast.stmt, ast.stmt | None]] = []
+    bound: set[str] = set()
+    for node in _statements(tree.body):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = resolve_import(importer, is_package, node)
+        if target == module:
+            for a in node.names:
+                bound |= public if a.name == "*" else {a.asname or a.name}
+            edits.append((node, None))
+        elif target == parent and any(a.name == last for a in node.names):
+            keep = [a for a in node.names if a.name != last]
+            bound.add(last)
+            edits.append(
+                (
+                    node,
+                    ast.ImportFrom(module=node.module, names=keep, level=node.level)
+                    if keep
+                    else None,
+                )
+            )
+    for node, _ in edits:
+        if not _stmt_alone(lines, node):
+            raise RemovalError(f"line {node.lineno}: import shares its line; cannot edit exactly")
+    for node, new in sorted(edits, key=lambda e: -e[0].lineno):
+        if new is not None:
+            _replace_stmt(lines, node, new)
+    return delete_spans(
+        "".join(lines), [(n.lineno, n.end_lineno) for n, new in edits if new is None]
+    ), bound
 
 
 def remove_definitions(text: str, defs: list[Definition]) -> str:
