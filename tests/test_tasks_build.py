@@ -378,3 +378,43 @@ def test_missing_sdist_is_refused_cleanly(tmp_path):
     with pytest.raises(TaskError, match="no source distribution could be downloaded"):
         build("pypi:cadenza-no-such-project-xq7==0.0.1", out, log=lambda m: None)
     _no_leftovers(out)
+
+
+@pytest.mark.slow
+def test_grading_runs_predictions_in_the_sandbox(built, tmp_path):
+    from cadenza.sandbox import isolation
+
+    if not isolation().available:
+        pytest.skip("no bubblewrap isolation on this machine")
+    out, _ = built
+    task = next(t for t in read_tasks(out) if t["feature"]["name"] == "add")
+    host_file = tmp_path / "escaped.txt"
+    ws = tmp_path / "ws"
+    export(out, task["instance_id"], ws)
+    # the gold code plus a write to a host path outside the workspace, at import time
+    assert (
+        subprocess.run(["git", "apply", "-"], cwd=ws, input=task["patch"], text=True).returncode
+        == 0
+    )
+    patch = _patch_in(
+        ws,
+        lambda w: (w / "calc/core.py").write_text(
+            (w / "calc/core.py").read_text()
+            + f"\ntry:\n    open({str(host_file)!r}, 'w').write('x')\nexcept OSError:\n    pass\n"
+        ),
+    )
+    r = grade_prediction(
+        task, out / "workspaces" / f"{task['instance_id']}.tar", patch, timeout=120
+    )
+    assert r["resolved"]  # the code works...
+    assert not host_file.exists()  # ...but could not touch the host
+    from cadenza.tasks.runner import SubprocessRunner
+
+    grade_prediction(
+        task,
+        out / "workspaces" / f"{task['instance_id']}.tar",
+        patch,
+        timeout=120,
+        runner=SubprocessRunner(),
+    )
+    assert host_file.exists()  # the same prediction unsandboxed does (the oracle)

@@ -20,7 +20,7 @@ from typing import Any
 
 from cadenza.tasks.environment import EnvSpec, ensure_venv
 from cadenza.tasks.errors import TaskError
-from cadenza.tasks.runner import Runner, default_runner
+from cadenza.tasks.runner import Runner, grading_runner
 from cadenza.tasks.scrub import apply_patch, listed_files
 from cadenza.tasks.source import default_cache_dir, is_protected
 from cadenza.tasks.store import find_task, read_tasks, unpack_workspace, write_json_atomic
@@ -108,7 +108,7 @@ def grade_prediction(
     venv: Path | None = None,
 ) -> dict[str, Any]:
     """Grade one prediction; select restricts PASS_TO_PASS to these ids (build-time gates)."""
-    runner = runner or default_runner()
+    runner = runner or grading_runner()
     if venv is None:
         venv = ensure_venv(EnvSpec(**task["environment_setup"]), cache_dir or default_cache_dir())
     f2p, p2p = task["FAIL_TO_PASS"], task["PASS_TO_PASS"]
