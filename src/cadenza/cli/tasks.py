@@ -29,6 +29,9 @@ def build_cmd(
     no_signature: bool = typer.Option(
         False, "--no-signature", help="Leave the signature out of problem statements."
     ),
+    sandbox: bool = typer.Option(
+        False, "--sandbox", help="Run the build's test runs in the sandbox too (slower)."
+    ),
     exclude_failing: bool = typer.Option(
         False,
         "--exclude-failing",
@@ -46,6 +49,7 @@ def build_cmd(
         timeout=timeout,
         with_signature=not no_signature,
         exclude_failing=exclude_failing,
+        sandbox=sandbox,
         max_candidates=max_candidates or None,
     )
     try:

@@ -16,3 +16,4 @@ class TasksConfig:
     timeout: float = 600.0  # seconds per test-suite run
     with_signature: bool = True  # give the removed symbol's signature in the statement
     exclude_failing: bool = False  # leave out tests failing in the original suite
+    sandbox: bool = False  # build-time gates in the sandbox too (grading always uses it)

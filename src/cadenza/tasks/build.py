@@ -27,7 +27,7 @@ from cadenza.tasks.discover import Feature, find_features, find_module_features
 from cadenza.tasks.environment import ensure_venv, spec_for
 from cadenza.tasks.errors import TaskError
 from cadenza.tasks.gates import Job, validate
-from cadenza.tasks.runner import Runner, default_runner
+from cadenza.tasks.runner import Runner, SandboxRunner, default_runner
 from cadenza.tasks.scrub import copy_files
 from cadenza.tasks.source import (
     check_buildable,
@@ -55,6 +55,7 @@ class BuildOptions:
     exclude_failing: bool = False  # drop tests failing in the original instead of refusing
     max_candidates: int | None = None  # candidates tried (default: 4 x max_tasks)
     cache_dir: Path | None = None
+    sandbox: bool = False  # gates in cadenza.sandbox (slower); grading always uses it
 
 
 def difficulty_features(f: Feature) -> dict[str, Any]:
@@ -116,7 +117,7 @@ def build(
     opts = options or BuildOptions()
     if opts.difficulty not in BANDS:
         raise TaskError(f"--difficulty {opts.difficulty!r}: expected one of {', '.join(BANDS)}")
-    runner = runner or default_runner()
+    runner = runner or (SandboxRunner() if opts.sandbox else default_runner())
     cache = opts.cache_dir or default_cache_dir()
     out = Path(out)
     tmp_out = _prepare_out(out)
@@ -210,6 +211,7 @@ def build(
                 timeout=opts.timeout,
                 with_signature=opts.with_signature,
                 difficulty=difficulty_features(f),
+                sandboxed=opts.sandbox,
             )
             for f in candidates
         ]

@@ -33,7 +33,7 @@ from cadenza.tasks.remove import (
     remove_definitions,
     remove_tests,
 )
-from cadenza.tasks.runner import Runner, default_runner
+from cadenza.tasks.runner import Runner, SandboxRunner, default_runner
 from cadenza.tasks.scrub import apply_patch, copy_files, diff_to, git, init_repo, write_files
 from cadenza.tasks.source import import_root, is_test_file, library_files
 from cadenza.tasks.statement import problem_statement
@@ -59,6 +59,7 @@ class Job:
     timeout: float = 600
     with_signature: bool = True
     difficulty: dict[str, Any] = field(default_factory=dict)
+    sandboxed: bool = False  # run the gates in cadenza.sandbox (else plain subprocesses)
 
 
 def stub_text(text: str, feature: Feature) -> str:
@@ -140,7 +141,8 @@ def validate(job: Job, runner: Runner | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         clock: dict[str, float] = {}
-        instance = _validate(job, runner or default_runner(), clock)
+        runner = runner or (SandboxRunner() if job.sandboxed else default_runner())
+        instance = _validate(job, runner, clock)
         return {
             "ok": True,
             "instance": instance,
