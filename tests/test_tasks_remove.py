@@ -250,6 +250,13 @@ def test_installed_copy_in_environment_is_found(tmp_path):
     with pytest.raises(TaskError, match="installed copy of shapes"):
         check_not_installed(venv, ["shapes"])
     assert any("installed copy" in f for f in leaks.scan_tree(site, _secret(), env=True))
+    # another package defining a function of the same name is not a copy; a copy under
+    # another file name is
+    (site / "shapes.py").unlink()
+    (site / "other.py").write_text("def area(x):\n    return x\n\n\ndef _square(y):\n    pass\n")
+    assert leaks.scan_tree(site, _secret(), env=True) == []
+    (site / "vendored.py").write_text(MODULE.replace("def area", "def vendored_area"))
+    assert [f for f in leaks.scan_tree(site, _secret(), env=True) if f.startswith("vendored.py")]
 
 
 def test_runner_timeout_kills_the_process_tree(tmp_path):

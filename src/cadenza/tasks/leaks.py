@@ -98,12 +98,14 @@ def scan_pyc(data: bytes, secret: Secret) -> str | None:
     return None
 
 
-def scan_text(text: str, rel: str, secret: Secret) -> str | None:
+def scan_text(text: str, rel: str, secret: Secret, *, by_name: bool = True) -> str | None:
+    """by_name: names alone count (the workspace); off for third-party code in an
+    environment, where another package may well define a function of the same name."""
     indent = "" if rel.endswith(".py") else r"\s*"  # nested same-name methods are not copies
-    for n in secret.names:
+    for n in secret.names if by_name else ():
         if re.search(rf"^{indent}(async\s+def|def|class)\s+{re.escape(n)}\b", text, re.M):
             return f"defines removed {n}"
-    for n in secret.private:
+    for n in secret.private if by_name else ():
         if re.search(rf"\b{re.escape(n)}\b", text):
             return f"mentions removed private helper {n}"
     if not rel.endswith(".py"):
@@ -178,7 +180,7 @@ def scan_tree(
         elif b"\0" in data[:8192]:
             why = None
         else:
-            why = scan_text(data.decode("utf-8", "replace"), rel, secret)
+            why = scan_text(data.decode("utf-8", "replace"), rel, secret, by_name=not env)
         if why:
             found.append(f"{rel}: {why}")
     return found
