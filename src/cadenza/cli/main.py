@@ -21,7 +21,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cadenza.cli import bench, config_cmd, model, parallel, sandbox, tokenizer, train
+    from cadenza.cli import bench, config_cmd, model, parallel, sandbox, tasks, tokenizer, train
 
     app.command("train", context_settings={"allow_extra_args": False})(train.train)
     app.add_typer(config_cmd.app, name="config")
@@ -30,6 +30,7 @@ def _register() -> None:
     app.add_typer(tokenizer.app, name="tokenizer")
     app.add_typer(sandbox.app, name="sandbox")
     app.add_typer(parallel.app, name="parallel")
+    app.add_typer(tasks.app, name="tasks")
 
 
 _register()

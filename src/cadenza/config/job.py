@@ -14,6 +14,7 @@ from cadenza.config.model import ModelConfig, k2_model, tiny_model
 from cadenza.config.optim import OptimConfig
 from cadenza.config.parallel import ParallelConfig
 from cadenza.config.sandbox import SandboxConfig
+from cadenza.config.tasks import TasksConfig
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
 
 
 def tiny() -> Config:
