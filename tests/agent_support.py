@@ -1,0 +1,140 @@
+"""Test helpers for the agent harness: a subprocess stand-in for the sandbox, a byte-level
+tokenizer with the chat special tokens, and a tiny task (a git repo with visible and hidden
+tests) with its own grader, built independently of the code under test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ProcResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    duration_s: float = 0.0
+    truncated: bool = False
+    killed_by: str | None = None
+
+
+def local_run(
+    argv, workspace, *, timeout, memory_mb=None, env=None, ro_binds=(), cwd=None, unsafe=False
+):
+    """Plain subprocess with the signature of cadenza.sandbox.run (no isolation: tests only)."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(
+            argv,
+            cwd=cwd or workspace,
+            capture_output=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+    except subprocess.TimeoutExpired as e:
+        return ProcResult(-9, (e.stdout or b"").decode(errors="replace"), "", True, timeout)
+    return ProcResult(
+        p.returncode,
+        p.stdout.decode(errors="replace"),
+        p.stderr.decode(errors="replace"),
+        False,
+        time.perf_counter() - t0,
+    )
+
+
+CHAT_SPECIALS = [
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+    "<|tool_call|>",
+    "<|/tool_call|>",
+]
+
+
+def byte_tokenizer():
+    """A byte-level BPE with no merges (every byte one token) plus the chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(CHAT_SPECIALS)
+    return tok
+
+
+CALC = """def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    raise NotImplementedError
+"""
+
+VISIBLE_TEST = """from calc import add
+
+
+def test_add():
+    assert add(2, 3) == 5
+"""
+
+HIDDEN_TEST = """from calc import mul
+
+
+def test_mul():
+    assert mul(3, 4) == 12
+    assert mul(0, 7) == 0
+"""
+
+FIXED_MUL = "def mul(a, b):\n    return a * b\n"
+
+
+def _git(ws: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    return subprocess.run(
+        ["git", "-C", str(ws), *args], check=True, capture_output=True, text=True, env=env
+    ).stdout
+
+
+def make_workspace(ws: Path) -> None:
+    """The starting workspace: a single-commit repo with `mul` missing, visible test only."""
+    ws.mkdir(parents=True, exist_ok=True)
+    (ws / "calc.py").write_text(CALC)
+    (ws / "tests").mkdir()
+    (ws / "tests" / "test_add.py").write_text(VISIBLE_TEST)
+    _git(ws, "init", "-q")
+    _git(ws, "add", "-A")
+    _git(ws, "commit", "-qm", "task")
+
+
+def grade_patch(patch: str, scratch: Path) -> bool:
+    """Apply `patch` to a fresh workspace, add the hidden test, run it: True when it passes."""
+    ws = scratch / f"grade-{time.monotonic_ns()}"
+    make_workspace(ws)
+    if patch.strip():
+        (ws / "model.patch").write_text(patch)
+        r = subprocess.run(["git", "-C", str(ws), "apply", "model.patch"], capture_output=True)
+        if r.returncode != 0:
+            return False
+    (ws / "tests" / "test_hidden.py").write_text(HIDDEN_TEST)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hidden.py"],
+        cwd=ws,
+        capture_output=True,
+    )
+    return r.returncode == 0
