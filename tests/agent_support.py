@@ -138,3 +138,60 @@ def grade_patch(patch: str, scratch: Path) -> bool:
         capture_output=True,
     )
     return r.returncode == 0
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 byte-level alphabet: printable bytes map to themselves, the rest above 255."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_CHARS = _bytes_to_unicode()
+
+
+def ids_of(tok, piece) -> list[int]:
+    """Token ids of text (special tokens recognized, as a model emits them) or raw bytes."""
+    if isinstance(piece, bytes):
+        return [tok.token_to_id(BYTE_CHARS[b]) for b in piece]
+    return tok.encode(piece, add_special_tokens=False).ids
+
+
+class ScriptedPolicy:
+    """A token-level policy replaying scripted replies: `script[e][t]` is episode e's reply at
+    turn t, as text/bytes or a list of them; a ("length", reply) tuple ends it as truncated."""
+
+    needs_token_ids = True
+
+    def __init__(self, tok, script, logprob=-0.5):
+        self.tok, self.script, self.logprob = tok, script, logprob
+        self.turn = [0] * len(script)
+        self.calls = []
+
+    def generate(self, requests):
+        from cadenza.agent.policies import PolicyOutput
+
+        self.calls.append(len(requests))
+        live = [e for e in range(len(self.script)) if self.turn[e] < len(self.script[e])]
+        out = []
+        for e, req in zip(live, requests):
+            reply = self.script[e][self.turn[e]]
+            self.turn[e] += 1
+            finish = "stop"
+            if isinstance(reply, tuple):
+                finish, reply = reply
+            parts = reply if isinstance(reply, list) else [reply]
+            ids = [i for p in parts for i in ids_of(self.tok, p)]
+            if finish == "stop":
+                ids.append(self.tok.token_to_id("<|end|>"))
+            if len(ids) > req.max_new_tokens:
+                ids, finish = ids[: req.max_new_tokens], "length"
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            out.append(PolicyOutput(text, finish, ids, [self.logprob] * len(ids)))
+        return out

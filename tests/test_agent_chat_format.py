@@ -1,8 +1,8 @@
 import json
 
 import pytest
-from agent_support import byte_tokenizer
 
+from agent_support import byte_tokenizer
 from cadenza.agent.chat_format import (
     CadenzaFormat,
     ChatFormatError,
@@ -38,7 +38,11 @@ def test_cadenza_round_trip_against_tokenizer_decode(tok):
             "role": "assistant",
             "content": "ok",
             "tool_calls": [
-                {"id": "c0", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+                {
+                    "id": "c0",
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+                }
             ],
         },
         {"role": "tool", "content": "1\tx = 1"},
@@ -108,16 +112,26 @@ def test_jinja_template_from_tokenizer_config(tok, tmp_path):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
     # Appending: generated ids (ending in the stop token), the closing, a tool message.
-    gen = tok2.encode('<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>').ids
+    gen = tok2.encode(
+        '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>'
+    ).ids
     parsed = fmt.parse(gen)
-    assert [c.name for c in parsed.calls] == ["run"] and parsed.calls[0].arguments == {"command": "ls"}
+    assert [c.name for c in parsed.calls] == ["run"] and parsed.calls[0].arguments == {
+        "command": "ls"
+    }
     closing = fmt.close_assistant_ids(gen)
     assert tok2.decode(closing, skip_special_tokens=False) == "\n"
-    assistant = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "run", "arguments": {"command": "ls"}}}]}
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "run", "arguments": {"command": "ls"}}}],
+    }
     tool_ids = fmt.message_ids({"role": "tool", "content": "a.py"}, msgs + [assistant])
     assert tok2.decode(tool_ids, skip_special_tokens=False) == "<|im_start|>tool\na.py<|im_end|>\n"
     # The incremental sequence equals the template's own rendering of the whole conversation.
-    whole = fmt.render(msgs + [assistant, {"role": "tool", "content": "a.py"}], add_generation_prompt=True)
+    whole = fmt.render(
+        msgs + [assistant, {"role": "tool", "content": "a.py"}], add_generation_prompt=True
+    )
     built = ids + gen + closing + tool_ids + fmt.generation_prompt_ids()
     assert tok2.decode(built, skip_special_tokens=False) == whole
 
@@ -127,8 +141,13 @@ def test_insert_message_before(tok):
     prompt, spans = fmt.prompt_ids([{"role": "user", "content": "task"}])
     gen = tok.encode("x<|end|>").ids
     ids = prompt + fmt.generation_prompt_ids() + gen
-    turns = [Turn("user", *spans[0], text="task"), Turn("assistant", len(prompt), len(ids), text="x")]
-    ep = Episode("t", ids, [False] * len(prompt) + [False] + [True] * len(gen), [0.0] * len(ids), turns)
+    turns = [
+        Turn("user", *spans[0], text="task"),
+        Turn("assistant", len(prompt), len(ids), text="x"),
+    ]
+    ep = Episode(
+        "t", ids, [False] * len(prompt) + [False] + [True] * len(gen), [0.0] * len(ids), turns
+    )
     new, pos = insert_message_before(ep, 1, "user", "Reminder: tools", fmt)
     assert tok.decode(new, skip_special_tokens=False) == (
         "<|user|>task<|end|><|user|>Reminder: tools<|end|><|assistant|>x<|end|>"

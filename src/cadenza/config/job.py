@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cadenza.config.agent import AgentConfig
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
 
@@ -52,6 +53,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 def tiny() -> Config:
