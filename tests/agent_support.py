@@ -47,14 +47,16 @@ def local_run(
     )
 
 
-CHAT_SPECIALS = [
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|tool|>",
-    "<|end|>",
+CHAT_SPECIALS = [  # the special tokens of cadenza's tokenizer, in its order
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|im_start|>",
+    "<|im_end|>",
     "<|tool_call|>",
     "<|/tool_call|>",
+    "<|tool_result|>",
+    "<|/tool_result|>",
 ]
 
 
@@ -189,7 +191,7 @@ class ScriptedPolicy:
             parts = reply if isinstance(reply, list) else [reply]
             ids = [i for p in parts for i in ids_of(self.tok, p)]
             if finish == "stop":
-                ids.append(self.tok.token_to_id("<|end|>"))
+                ids.append(self.tok.token_to_id("<|im_end|>"))
             if len(ids) > req.max_new_tokens:
                 ids, finish = ids[: req.max_new_tokens], "length"
             text = self.tok.decode(ids, skip_special_tokens=False)

@@ -33,7 +33,7 @@ def test_cadenza_round_trip_against_tokenizer_decode(tok):
     fmt = CadenzaFormat(tok)
     msgs = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": 'Fix "mul" \u00e9 <|end|>'},
+        {"role": "user", "content": 'Fix "mul" \u00e9 <|im_end|>'},
         {
             "role": "assistant",
             "content": "ok",
@@ -49,35 +49,38 @@ def test_cadenza_round_trip_against_tokenizer_decode(tok):
     ]
     ids = fmt.encode_conversation(msgs, TOOLS)
     expected = (
-        "<|system|>Be brief.\n\n# Tools\nCall a tool by writing <|tool_call|>"
+        "<|bos|><|im_start|>system\nBe brief.\n\n# Tools\nCall a tool by writing <|tool_call|>"
         '{"name": NAME, "arguments": {...}}<|/tool_call|>. Available tools:\n'
         + json.dumps(TOOLS[0]["function"])
-        + "\n<|end|>"
-        '<|user|>Fix "mul" \u00e9 <|end|><|end|>'
-        '<|assistant|>ok<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|><|end|>'
-        "<|tool|>1\tx = 1<|end|>"
-        "<|assistant|>"
+        + "\n<|im_end|>"
+        '<|im_start|>user\nFix "mul" \u00e9 <|im_end|><|im_end|>'
+        '<|im_start|>assistant\nok<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}'
+        "<|/tool_call|><|im_end|>"
+        "<|im_start|>tool\n<|tool_result|>1\tx = 1<|/tool_result|><|im_end|>"
+        "<|im_start|>assistant\n"
     )
     assert tok.decode(ids, skip_special_tokens=False) == expected
-    # Message text is plain text: a literal "<|end|>" typed by a user is not the end token.
-    end = tok.token_to_id("<|end|>")
+    # Message text is plain text: a literal "<|im_end|>" typed by a user is not the end token.
+    end = tok.token_to_id("<|im_end|>")
     assert ids.count(end) == 4
-    assert fmt.stop_token_ids == [end]
+    assert fmt.stop_token_ids == [end, tok.token_to_id("<|eos|>")]
     # Per-message spans tile the prompt.
     p, spans = fmt.prompt_ids(msgs[:2], TOOLS)
     assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == len(p)
     assert tok.decode(p[spans[1][0] : spans[1][1]], skip_special_tokens=False) == (
-        '<|user|>Fix "mul" \u00e9 <|end|><|end|>'
+        '<|im_start|>user\nFix "mul" \u00e9 <|im_end|><|im_end|>'
     )
 
 
 def test_cadenza_parse_and_close(tok):
     fmt = CadenzaFormat(tok)
-    gen = tok.encode('hi<|tool_call|>{"name": "submit", "arguments": {}}<|/tool_call|><|end|>').ids
+    gen = tok.encode(
+        'hi<|tool_call|>{"name": "submit", "arguments": {}}<|/tool_call|><|im_end|>'
+    ).ids
     parsed = fmt.parse(gen)
     assert parsed.content == "hi" and parsed.calls[0].name == "submit" and not parsed.problems
     assert fmt.close_assistant_ids(gen) == []
-    assert fmt.close_assistant_ids(gen[:-1]) == fmt.stop_token_ids
+    assert fmt.close_assistant_ids(gen[:-1]) == [tok.token_to_id("<|im_end|>")]
 
 
 def test_missing_special_tokens_is_a_clear_error():
@@ -98,8 +101,7 @@ CHATML = (
 
 
 def test_jinja_template_from_tokenizer_config(tok, tmp_path):
-    tok2 = byte_tokenizer()
-    tok2.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok2 = byte_tokenizer()  # ChatML tokens, but the checkpoint's template uses <tool_call> text
     tok2.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"})
@@ -139,18 +141,19 @@ def test_jinja_template_from_tokenizer_config(tok, tmp_path):
 def test_insert_message_before(tok):
     fmt = CadenzaFormat(tok)
     prompt, spans = fmt.prompt_ids([{"role": "user", "content": "task"}])
-    gen = tok.encode("x<|end|>").ids
+    gen = tok.encode("x<|im_end|>").ids
     ids = prompt + fmt.generation_prompt_ids() + gen
     turns = [
         Turn("user", *spans[0], text="task"),
         Turn("assistant", len(prompt), len(ids), text="x"),
     ]
     ep = Episode(
-        "t", ids, [False] * len(prompt) + [False] + [True] * len(gen), [0.0] * len(ids), turns
+        "t", ids, [False] * (len(ids) - len(gen)) + [True] * len(gen), [0.0] * len(ids), turns
     )
     new, pos = insert_message_before(ep, 1, "user", "Reminder: tools", fmt)
     assert tok.decode(new, skip_special_tokens=False) == (
-        "<|user|>task<|end|><|user|>Reminder: tools<|end|><|assistant|>x<|end|>"
+        "<|bos|><|im_start|>user\ntask<|im_end|><|im_start|>user\nReminder: tools<|im_end|>"
+        "<|im_start|>assistant\nx<|im_end|>"
     )
     assert len(pos) == len(ids)
     assert [new[p] for p in pos] == ids  # every old token found at its mapped place

@@ -77,11 +77,12 @@ def test_group_is_batched_recorded_and_graded(tok, tmp_path):
     text = tok.decode(solved.token_ids, skip_special_tokens=False)
     a0 = solved.turns[2]
     assert tok.decode(solved.token_ids[a0.start : a0.end], skip_special_tokens=False) == (
-        '<|assistant|>Let me look.<|tool_call|>{"name": "read_file", "arguments": {"path": "calc.py"}}<|/tool_call|><|end|>'
+        "<|im_start|>assistant\nLet me look."
+        '<|tool_call|>{"name": "read_file", "arguments": {"path": "calc.py"}}<|/tool_call|><|im_end|>'
     )
     assert [m for m, i in zip(solved.policy_mask, range(a0.start, a0.end)) if True]
     assert solved.policy_mask[a0.start] is False and solved.policy_mask[a0.end - 1] is True
-    assert "<|tool|>1\tdef add(a, b):" in text
+    assert "<|im_start|>tool\n<|tool_result|>1\tdef add(a, b):" in text
     assert solved.turns[3].role == "tool" and solved.turns[3].tool_name == "read_file"
     assert "1 passed" in solved.turns[7].observation
 

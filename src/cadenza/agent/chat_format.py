@@ -2,11 +2,12 @@
 
 Two formats share one interface (`ChatFormat`):
 
-- `CadenzaFormat`, the tiny model's template: each message is `<|role|>CONTENT<|end|>`;
-  an assistant's tool calls follow its text as `<|tool_call|>{"name": N, "arguments": A}
-  <|/tool_call|>`; tool definitions go in the system message. Scaffolding tokens are the
-  special ids; message text is encoded as plain text, so a literal "<|end|>" typed in a file
-  cannot end a message.
+- `CadenzaFormat`, the tiny model's template over cadenza's tokenizer specials: each message
+  is `<|im_start|>ROLE\nCONTENT<|im_end|>`; an assistant's tool calls follow its text as
+  `<|tool_call|>{"name": N, "arguments": A}<|/tool_call|>`; a tool's output is wrapped in
+  `<|tool_result|>...<|/tool_result|>`; tool definitions go in the system message.
+  Scaffolding tokens are the special ids; message text is encoded as plain text, so a
+  literal "<|im_end|>" typed in a file cannot end a message.
 - `JinjaFormat`, a checkpoint's own `chat_template` (tokenizer_config.json), rendered with
   jinja2 in a sandbox as transformers does; message tokens are the difference between
   renderings with and without the message; calls use `<tool_call>` tags (Hermes/Qwen).
@@ -160,37 +161,59 @@ class ChatFormat:
 
 @dataclass(frozen=True)
 class CadenzaTokens:
-    system: str = "<|system|>"
-    user: str = "<|user|>"
-    assistant: str = "<|assistant|>"
-    tool: str = "<|tool|>"
-    end: str = "<|end|>"
+    """The chat special tokens of cadenza's tokenizer (cadenza.model.tokenizer)."""
+
+    im_start: str = "<|im_start|>"
+    im_end: str = "<|im_end|>"
     tool_call: str = "<|tool_call|>"
     tool_call_end: str = "<|/tool_call|>"
+    tool_result: str = "<|tool_result|>"
+    tool_result_end: str = "<|/tool_result|>"
+    bos: str = "<|bos|>"  # optional: starts the conversation when the tokenizer has it
+    eos: str = "<|eos|>"  # optional: also stops generation when the tokenizer has it
+
+
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 class CadenzaFormat(ChatFormat):
+    """`<|im_start|>ROLE\nCONTENT<|im_end|>` per message (ChatML with special-token tool
+    markup); a tool message wraps its output in `<|tool_result|>...<|/tool_result|>`."""
+
     name = "cadenza"
 
     def __init__(self, tokenizer: Any, tokens: CadenzaTokens = CadenzaTokens()):
         super().__init__(tokenizer)
         self.tokens = tokens
         self.open_tag, self.close_tag = tokens.tool_call, tokens.tool_call_end
-        missing = [t for t in vars(tokens).values() if self._tok.token_to_id(t) is None]
+        required = (
+            "im_start",
+            "im_end",
+            "tool_call",
+            "tool_call_end",
+            "tool_result",
+            "tool_result_end",
+        )
+        missing = [
+            getattr(tokens, k)
+            for k in required
+            if self._tok.token_to_id(getattr(tokens, k)) is None
+        ]
         if missing:
             raise ChatFormatError(
-                f"tokenizer lacks the cadenza chat special tokens {missing}; train or extend "
-                "the tokenizer with them, or use the checkpoint's own chat_template"
+                f"tokenizer lacks the cadenza chat special tokens {missing}; use a tokenizer "
+                "trained by `cadenza tokenizer train`, or the checkpoint's own chat_template"
             )
         self._id = {k: self._tok.token_to_id(v) for k, v in vars(tokens).items()}
-        self.stop_token_ids = [self._id["end"]]
+        self.stop_token_ids = [self._id["im_end"]] + (
+            [self._id["eos"]] if self._id["eos"] is not None else []
+        )
+        self._headers = {r: [self._id["im_start"]] + self.encode_text(f"{r}\n") for r in _ROLES}
 
-    def _role_id(self, role: str) -> int:
-        if role not in ("system", "user", "assistant", "tool"):
-            raise ChatFormatError(
-                f"unknown message role {role!r}; expected system, user, assistant or tool"
-            )
-        return self._id[role]
+    def _header(self, role: str) -> list[int]:
+        if role not in self._headers:
+            raise ChatFormatError(f"unknown message role {role!r}; expected one of {list(_ROLES)}")
+        return self._headers[role]
 
     def tools_block(self, tools: Sequence[dict]) -> list[int]:
         ids = self.encode_text("# Tools\nCall a tool by writing ")
@@ -207,39 +230,36 @@ class CadenzaFormat(ChatFormat):
         messages = list(messages)
         if tools and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": ""})
-        ids: list[int] = []
+        ids: list[int] = [self._id["bos"]] if self._id["bos"] is not None else []
         spans = []
         for i, m in enumerate(messages):
-            start = len(ids)
-            if m.get("role") == "assistant":
-                body = self.assistant_body_ids(m)
-                ids += self.generation_prompt_ids() + body + self.close_assistant_ids(body)
+            start = 0 if i == 0 else len(ids)
+            if i == 0 and m.get("role") == "system" and tools:
+                content = str(m.get("content") or "")
+                ids += self._header("system") + self.encode_text(
+                    content + ("\n\n" if content else "")
+                )
+                ids += self.tools_block(tools) + [self._id["im_end"]]
             else:
-                ids += [self._role_id(m.get("role", ""))]
-                ids += self.encode_text(str(m.get("content") or ""))
-                if i == 0 and m.get("role") == "system" and tools:
-                    ids += self.encode_text("\n\n" if m.get("content") else "")
-                    ids += self.tools_block(tools)
-                ids += [self._id["end"]]
+                ids += self.message_ids(m)
             spans.append((start, len(ids)))
         return ids, spans
 
     def generation_prompt_ids(self):
-        return [self._id["assistant"]]
+        return list(self._headers["assistant"])
 
     def close_assistant_ids(self, generated):
-        return [] if generated and generated[-1] == self._id["end"] else [self._id["end"]]
+        return [] if generated and generated[-1] == self._id["im_end"] else [self._id["im_end"]]
 
     def message_ids(self, message, history=()):
         role = message.get("role", "")
         if role == "assistant":
             body = self.assistant_body_ids(message)
             return self.generation_prompt_ids() + body + self.close_assistant_ids(body)
-        return (
-            [self._role_id(role)]
-            + self.encode_text(str(message.get("content") or ""))
-            + [self._id["end"]]
-        )
+        text = self.encode_text(str(message.get("content") or ""))
+        if role == "tool":
+            text = [self._id["tool_result"]] + text + [self._id["tool_result_end"]]
+        return self._header(role) + text + [self._id["im_end"]]
 
     def assistant_body_ids(self, message):
         ids = self.encode_text(str(message.get("content") or ""))
@@ -247,7 +267,7 @@ class CadenzaFormat(ChatFormat):
             ids += [self._id["tool_call"]]
             ids += self.encode_text(_tool_call_json(call))
             ids += [self._id["tool_call_end"]]
-        return ids + [self._id["end"]]
+        return ids + [self._id["im_end"]]
 
 
 def _render_env():
