@@ -46,6 +46,8 @@ class AgentTask:
     prepare_workspace: Callable[[Path], None]  # writes the starting repo (one commit) there
     grade: Callable[[str], GradeResult | bool | float] | None = None  # model_patch -> result
     test_command: Sequence[str] = ("python", "-m", "pytest", "-q", "-x")
+    env: dict[str, str] | None = None  # environment for commands (e.g. the project's venv)
+    ro_binds: tuple[str, ...] = ()  # paths commands read (the task's environment)
 
 
 def _as_grade(r: GradeResult | bool | float) -> GradeResult:
@@ -147,6 +149,8 @@ class EpisodeRunner:
             memory_mb=self.cfg.memory_mb,
             unsafe=self.cfg.unsafe_sandbox,
             max_observation_chars=self.cfg.max_observation_chars,
+            env=task.env,
+            ro_binds=tuple(task.ro_binds),
         )
         if self.run_command is not None:
             kw["run_command"] = self.run_command

@@ -45,6 +45,8 @@ class ToolContext:
     unsafe: bool = False  # passed to the sandbox: run without bubblewrap when it is missing
     max_observation_chars: int = 8000
     max_list_entries: int = 400
+    env: dict[str, str] | None = None  # extra environment for sandboxed commands
+    ro_binds: tuple[str, ...] = ()  # read-only paths commands need (the task's environment)
 
 
 @dataclass
@@ -118,8 +120,13 @@ def _rel(ctx: ToolContext, p: Path) -> str:
 
 
 def _sandboxed(ctx: ToolContext, argv: list[str], timeout: float) -> Any:
+    extra: dict[str, Any] = {}
+    if ctx.env:
+        extra["env"] = ctx.env
+    if ctx.ro_binds:
+        extra["ro_binds"] = ctx.ro_binds
     return ctx.run_command(
-        argv, ctx.workspace, timeout=timeout, memory_mb=ctx.memory_mb, unsafe=ctx.unsafe
+        argv, ctx.workspace, timeout=timeout, memory_mb=ctx.memory_mb, unsafe=ctx.unsafe, **extra
     )
 
 
