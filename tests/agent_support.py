@@ -4,6 +4,7 @@ tests) with its own grader, built independently of the code under test."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -197,3 +198,33 @@ class ScriptedPolicy:
             text = self.tok.decode(ids, skip_special_tokens=False)
             out.append(PolicyOutput(text, finish, ids, [self.logprob] * len(ids)))
         return out
+
+
+def bpe_tokenizer(vocab_size: int = 1200):
+    """A small byte-level BPE trained here on the harness's own prompt text (short prompts
+    keep the tiny model's tests fast), with the chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from cadenza.agent.tools import Toolbox
+    from cadenza.config.agent import DEFAULT_SYSTEM_PROMPT
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        DEFAULT_SYSTEM_PROMPT,
+        CALC,
+        VISIBLE_TEST,
+        HIDDEN_TEST,
+        "Implement mul(a, b) in calc.py.",
+    ]
+    corpus += [json.dumps(s["function"]) for s in Toolbox().schemas()]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHAT_SPECIALS,
+        initial_alphabet=ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus * 4, trainer)
+    return tok

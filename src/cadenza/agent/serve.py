@@ -133,7 +133,8 @@ class ChatService:
                 f"the prompt is {len(prompt)} tokens; this model's context is {self.max_context}",
                 param="messages",
             )
-        mx = body.get("max_completion_tokens", body.get("max_tokens")) or self.max_new_tokens
+        mx = body.get("max_completion_tokens", body.get("max_tokens"))
+        mx = self.max_new_tokens if mx is None else mx
         if isinstance(mx, bool) or not isinstance(mx, int) or mx < 1:
             raise RequestError(
                 f"max_tokens: expected a positive integer, found {mx!r}", param="max_tokens"
