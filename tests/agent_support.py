@@ -228,3 +228,35 @@ def bpe_tokenizer(vocab_size: int = 1200):
     )
     tok.train_from_iterator(corpus * 4, trainer)
     return tok
+
+
+def call(name, **args):
+    """A well-formed tool call as the cadenza format writes it."""
+    return "<|tool_call|>" + json.dumps({"name": name, "arguments": args}) + "<|/tool_call|>"
+
+
+def scripted_generate(tok, replies):
+    """A generate_fn replaying replies (as the sampler returns them: stop token kept)."""
+    from cadenza.model import Generation
+
+    queue = list(replies)
+    end = tok.token_to_id("<|im_end|>")
+
+    def generate(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed):
+        out = []
+        for _ in prompts:
+            ids = ids_of(tok, queue.pop(0)) + [end]
+            out.append(Generation(ids, [-1.0] * len(ids), "stop"))
+        return out
+
+    return generate
+
+
+SOLVE = [
+    "Reading." + call("read_file", path="calc.py"),
+    call(
+        "str_replace", path="calc.py", old_str="raise NotImplementedError", new_str="return a * b"
+    ),
+    call("run_tests"),
+    call("submit"),
+]

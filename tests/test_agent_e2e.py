@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from agent_support import (
+    SOLVE,
     bpe_tokenizer,
     byte_tokenizer,
+    call,
     grade_patch,
-    ids_of,
     local_run,
     make_workspace,
+    scripted_generate,
 )
 from cadenza.agent.chat_format import CadenzaFormat
 from cadenza.agent.policies import HTTPPolicy, LocalPolicy
@@ -27,10 +29,6 @@ from cadenza.config.agent import AgentConfig
 from cadenza.config.model import ModelConfig
 
 TC, TE = "<|tool_call|>", "<|/tool_call|>"
-
-
-def call(name, **args):
-    return TC + json.dumps({"name": name, "arguments": args}) + TE
 
 
 @pytest.fixture(scope="module")
@@ -147,33 +145,6 @@ def test_http_policy_against_cadenza_serve(service, tmp_path):
     finally:
         server.shutdown()
         server.server_close()
-
-
-def scripted_generate(tok, replies):
-    """A generate_fn replaying replies (as the sampler returns them: stop token kept)."""
-    from cadenza.model import Generation
-
-    queue = list(replies)
-    end = tok.token_to_id("<|im_end|>")
-
-    def generate(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed):
-        out = []
-        for _ in prompts:
-            ids = ids_of(tok, queue.pop(0)) + [end]
-            out.append(Generation(ids, [-1.0] * len(ids), "stop"))
-        return out
-
-    return generate
-
-
-SOLVE = [
-    "Reading." + call("read_file", path="calc.py"),
-    call(
-        "str_replace", path="calc.py", old_str="raise NotImplementedError", new_str="return a * b"
-    ),
-    call("run_tests"),
-    call("submit"),
-]
 
 
 def test_http_tool_calls_resolve_a_task(tok, tmp_path):
