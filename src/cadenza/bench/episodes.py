@@ -146,9 +146,9 @@ def _tokenizer():
 
 def run(argv: list[str]) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="cadenza bench episodes", description=__doc__)
-    p.add_argument("--group", type=int, default=4, help="episodes per group (G)")
-    p.add_argument("--turns", type=int, default=3, help="assistant turns per episode")
-    p.add_argument("--new-tokens", type=int, default=32, help="sampled tokens per turn")
+    p.add_argument("--group", type=int, default=2, help="episodes per group (G)")
+    p.add_argument("--turns", type=int, default=2, help="assistant turns per episode")
+    p.add_argument("--new-tokens", type=int, default=16, help="sampled tokens per turn")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument(
