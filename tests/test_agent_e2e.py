@@ -17,7 +17,6 @@ from agent_support import (
     byte_tokenizer,
     call,
     grade_patch,
-    local_run,
     make_workspace,
     scripted_generate,
 )
@@ -77,10 +76,18 @@ def task(tmp_path):
         make_workspace,
         grade=lambda patch: grade_patch(patch, tmp_path),
         test_command=(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+        ro_binds=(sys.prefix,),  # the interpreter's environment, read-only in the sandbox
     )
 
 
-CFG = AgentConfig(max_turns=2, max_new_tokens=24, temperature=1.0)
+def _unsafe():
+    import cadenza.sandbox
+
+    return not cadenza.sandbox.isolation().bwrap  # without bubblewrap, say so explicitly
+
+
+# Tools and the patch run in the real sandbox (cadenza.sandbox).
+CFG = AgentConfig(max_turns=2, max_new_tokens=24, temperature=1.0, unsafe_sandbox=_unsafe())
 
 
 def full_forward_logprobs(model, ids):
@@ -103,7 +110,7 @@ def check_logprobs(model, ep):
 def test_local_tiny_policy_runs_graded_episodes(service, tmp_path):
     fmt = service.fmt
     policy = LocalPolicy(service.model, fmt, temperature=1.0, seed=0)
-    eps = EpisodeRunner(policy, fmt, CFG, run_command=local_run).run_group(
+    eps = EpisodeRunner(policy, fmt, CFG, run_command=None).run_group(
         task(tmp_path), 2, tmp_path / "w"
     )
     for ep in eps:
@@ -128,7 +135,7 @@ def test_http_policy_against_cadenza_serve(service, tmp_path):
             policy = HTTPPolicy(
                 url, "tiny", temperature=1.0, stream=stream, logprobs=True, extra_body={"seed": 3}
             )
-            eps = EpisodeRunner(policy, None, CFG, run_command=local_run).run_group(
+            eps = EpisodeRunner(policy, None, CFG, run_command=None).run_group(
                 task(tmp_path), 2, tmp_path / f"h{stream}"
             )
             for ep in eps:
@@ -155,7 +162,7 @@ def test_http_tool_calls_resolve_a_task(tok, tmp_path):
     try:
         policy = HTTPPolicy(url, "scripted")
         (ep,) = EpisodeRunner(
-            policy, None, AgentConfig(max_turns=5), run_command=local_run
+            policy, None, AgentConfig(max_turns=5, unsafe_sandbox=_unsafe()), run_command=None
         ).run_group(task(tmp_path), 1, tmp_path / "s")
     finally:
         server.shutdown()

@@ -159,3 +159,30 @@ def test_sandboxed_tools(ctx):
     assert "characters omitted" in r.observation
     r = box.call("submit", {}, ctx)
     assert r.done and r.error_kind is None
+
+
+def test_tools_through_the_real_sandbox(tmp_path):
+    import cadenza.sandbox as sandbox
+    from cadenza.agent.runner import workspace_patch
+
+    isolated = bool(sandbox.isolation().bwrap)
+    ws = tmp_path / "ws"
+    make_workspace(ws)
+    ctx = ToolContext(
+        workspace=ws,
+        test_command=(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+        ro_binds=(sys.prefix,),  # the interpreter's environment, read-only
+        unsafe=not isolated,
+    )
+    box = Toolbox()
+    assert box.call("search", {"pattern": "def mul"}, ctx).observation == "calc.py:5:def mul(a, b):"
+    r = box.call("run_tests", {}, ctx)
+    assert r.observation.startswith("exit code: 0") and "1 passed" in r.observation, r.observation
+    box.call("write_file", {"path": "calc.py", "content": "X = 1\n"}, ctx)
+    r = box.call("run", {"command": "echo made > new.txt; cat new.txt"}, ctx)
+    assert r.observation == "exit code: 0\nstdout:\nmade"
+    if isolated:
+        r = box.call("run", {"command": "echo x > /tmp/../../outside.txt; ls /work/main 2>&1"}, ctx)
+        assert not (tmp_path.parent / "outside.txt").exists()
+    patch = workspace_patch(ctx)
+    assert "+X = 1" in patch and "new.txt" in patch and "__pycache__" not in patch

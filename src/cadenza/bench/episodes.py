@@ -78,9 +78,12 @@ def _grade(patch: str, scratch: Path) -> bool:
 def _command_runner():
     """cadenza.sandbox.run when it is installed, else a plain subprocess (said in the output)."""
     try:
-        from cadenza.sandbox import run as sandbox_run  # noqa: F401
+        from cadenza.sandbox import isolation
 
-        return None, "sandbox"
+        iso = isolation()
+        return None, "cadenza.sandbox (" + (
+            "bubblewrap" if iso.bwrap else "UNSAFE: no bubblewrap"
+        ) + ")"
     except ImportError:
         pass
 
@@ -176,7 +179,8 @@ def run(argv: list[str]) -> dict[str, Any]:
         model, fmt = CausalLM(cfg), CadenzaFormat(tok)
     model.eval()
     run_command, runner_note = _command_runner()
-    agent_cfg = AgentConfig(max_turns=a.turns, max_new_tokens=a.new_tokens, unsafe_sandbox=True)
+    unsafe = "UNSAFE" in runner_note
+    agent_cfg = AgentConfig(max_turns=a.turns, max_new_tokens=a.new_tokens, unsafe_sandbox=unsafe)
     scratch = Path(tempfile.mkdtemp(prefix="cadenza-bench-episodes-"))
     task = AgentTask(
         "calc-mul",
@@ -184,6 +188,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         _workspace,
         grade=lambda patch: _grade(patch, scratch),
         test_command=(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+        ro_binds=(sys.prefix,),
     )
     counter = iter(range(1 << 30))
 
