@@ -30,13 +30,8 @@ def load_task_store(
 ) -> list[AgentTask]:
     """The store's instances (all, or those named) as AgentTasks."""
     from cadenza.tasks.environment import EnvSpec, ensure_venv
-    from cadenza.tasks.source import import_root
+    from cadenza.tasks.source import default_cache_dir, import_root
     from cadenza.tasks.store import export, read_tasks
-
-    try:
-        from cadenza.tasks.grade import default_cache_dir
-    except ImportError:  # pragma: no cover - older task factory
-        default_cache_dir = None
 
     store = Path(store)
     rows = read_tasks(store)
@@ -48,8 +43,7 @@ def load_task_store(
         rows = [t for t in rows if t["instance_id"] in set(instance_ids)]
     out = []
     for t in rows:
-        kw = {"cache_dir": default_cache_dir()} if default_cache_dir else {}
-        venv = ensure_venv(EnvSpec(**t["environment_setup"]), **kw)
+        venv = ensure_venv(EnvSpec(**t["environment_setup"]), default_cache_dir())
 
         env = {
             "PATH": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin",

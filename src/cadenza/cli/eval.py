@@ -101,7 +101,10 @@ def eval_cmd(
             endpoint, model, temperature=temperature, api_key=os.environ.get(api_key_env)
         )
         tasks = load_task_store(tasks_dir, instance or None)
-    except (PolicyError, ValueError) as e:
+    except ImportError as e:
+        typer.echo(f"error: the task factory (cadenza.tasks) is not available: {e}", err=True)
+        raise typer.Exit(2) from e
+    except (PolicyError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     if max_tasks:
