@@ -85,7 +85,8 @@ def eval_cmd(
     ),
 ) -> None:
     """Run one episode per task against an endpoint; write predictions.jsonl, episodes.jsonl, report.json."""
-    from cadenza.agent.policies import HTTPPolicy, PolicyError
+    from cadenza.agent.episode import Episode
+    from cadenza.agent.policies import HTTPPolicy
     from cadenza.agent.runner import EpisodeRunner
     from cadenza.agent.task_source import load_task_store
     from cadenza.config.agent import AgentConfig
@@ -104,7 +105,7 @@ def eval_cmd(
     except ImportError as e:
         typer.echo(f"error: the task factory (cadenza.tasks) is not available: {e}", err=True)
         raise typer.Exit(2) from e
-    except (PolicyError, ValueError, OSError) as e:
+    except (RuntimeError, ValueError, OSError) as e:  # PolicyError, the store's TaskError
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     if max_tasks:
@@ -118,7 +119,12 @@ def eval_cmd(
     runner = EpisodeRunner(policy, None, cfg)
     episodes = []
     for i, task in enumerate(tasks, 1):
-        (ep,) = runner.run_group(task, 1, out / "workspaces")
+        try:
+            (ep,) = runner.run_group(task, 1, out / "workspaces")
+        except Exception as e:  # one broken instance must not lose the others' results
+            ep = Episode(
+                task.instance_id, finish_reason="error", info={"error": f"{type(e).__name__}: {e}"}
+            )
         episodes.append(ep)
         typer.echo(
             f"[{i}/{len(tasks)}] {task.instance_id}: resolved={ep.resolved} finish={ep.finish_reason} "
