@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,7 @@ def make_workspace(ws: Path) -> None:
 
 def grade_patch(patch: str, scratch: Path) -> bool:
     """Apply `patch` to a fresh workspace, add the hidden test, run it: True when it passes."""
-    ws = scratch / f"grade-{time.monotonic_ns()}"
+    ws = Path(tempfile.mkdtemp(prefix="grade-", dir=scratch)) / "ws"
     make_workspace(ws)
     if patch.strip():
         (ws / "model.patch").write_text(patch)

@@ -135,7 +135,8 @@ def test_http_policy_against_cadenza_serve(service, tmp_path):
             policy = HTTPPolicy(
                 url, "tiny", temperature=1.0, stream=stream, logprobs=True, extra_body={"seed": 3}
             )
-            eps = EpisodeRunner(policy, None, CFG, run_command=None).run_group(
+            fmt = None if stream else service.fmt  # a client may know the server's format
+            eps = EpisodeRunner(policy, fmt, CFG, run_command=None).run_group(
                 task(tmp_path), 2, tmp_path / f"h{stream}"
             )
             for ep in eps:
@@ -145,6 +146,11 @@ def test_http_policy_against_cadenza_serve(service, tmp_path):
                 # logprobs are the model's own (oracle: a full forward).
                 assert ep.info["token_ids"] == "server"
                 check_logprobs(service.model, ep)
+                if fmt is not None:  # spans start at the generation prompt, as in local episodes
+                    gp = fmt.generation_prompt_ids()
+                    for i in ep.assistant_turns():
+                        s = ep.turns[i].start
+                        assert ep.token_ids[s : s + len(gp)] == gp
             if not stream:
                 first = eps
         # Same seed, streamed or not: the same replies.
@@ -255,15 +261,3 @@ def test_serve_protocol(tok):
     finally:
         server.shutdown()
         server.server_close()
-
-
-def test_cli_help_for_eval_and_serve():
-    import subprocess
-
-    for cmd in ("eval", "serve"):
-        r = subprocess.run(
-            [sys.executable, "-m", "cadenza.cli.main", cmd, "--help"],
-            capture_output=True,
-            text=True,
-        )
-        assert r.returncode == 0 and "Usage" in r.stdout

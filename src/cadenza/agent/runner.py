@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,10 @@ class EpisodeRunner:
         # are recorded as context (not policy) tokens; those messages' own spans stay empty.
         live.append(out.prompt_ids[n:], False)
         start = len(ep.token_ids)
+        if self.fmt is not None:  # the turn's span starts at its generation prompt, as locally
+            gp = self.fmt.generation_prompt_ids()
+            if gp and ep.token_ids[len(ep.token_ids) - len(gp) :] == gp:
+                start -= len(gp)
         live.append(out.token_ids, True, out.logprobs)
         ep.info["token_ids"] = "server"
         return start, len(ep.token_ids)
@@ -366,11 +371,23 @@ class EpisodeRunner:
                     f"{type(self.policy).__name__}.generate returned {len(outputs)} outputs "
                     f"for {len(batch)} requests; a policy must answer every request"
                 )
-            for (live, _), out in zip(batch, outputs):
-                self._step(live, out)
-        for live in lives:
-            self._grade(task, live)
+            # Episodes are independent: their tools (sandboxed processes) run concurrently.
+            self._each(
+                lambda pair: self._step(*pair),
+                [(live, out) for (live, _), out in zip(batch, outputs)],
+            )
+        self._each(lambda live: self._grade(task, live), lives)
         return [live.ep for live in lives]
+
+    def _each(self, fn: Callable[[Any], None], items: list[Any]) -> None:
+        workers = min(self.cfg.tool_workers, len(items))
+        if workers <= 1:
+            for item in items:
+                fn(item)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(fn, item) for item in items]:
+                f.result()
 
     def _trim(self, live: _Live) -> None:
         """Drop messages after the last reply that overflow the context: nothing reads them,

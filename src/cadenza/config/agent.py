@@ -22,6 +22,7 @@ class AgentConfig:
     test_timeout: float = 300.0  # `run_tests` tool, seconds
     memory_mb: int | None = 2048  # per sandboxed command
     max_observation_chars: int = 8000
+    tool_workers: int = 4  # episodes of a group whose tools and grading run concurrently
     unsafe_sandbox: bool = False  # allow commands without bubblewrap (says so loudly)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
