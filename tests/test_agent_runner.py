@@ -110,3 +110,18 @@ def test_limits(tok, tmp_path):
     (ep,) = r.run_group(task(tmp_path, grade=False), 1, tmp_path / "w4")
     assert ep.finish_reason == "context" and len(ep.token_ids) <= limit
     assert len(ep.assistant_turns()) >= 2
+
+
+def test_unreachable_endpoint_ends_the_episode_with_an_error(tmp_path):
+    import socket
+
+    from cadenza.agent.policies import HTTPPolicy
+
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    policy = HTTPPolicy(f"http://127.0.0.1:{port}/v1", "m", timeout=5)
+    r = EpisodeRunner(policy, None, AgentConfig(), run_command=local_run)
+    (ep,) = r.run_group(task(tmp_path, grade=False), 1, tmp_path / "w")
+    assert ep.finish_reason == "error" and "cannot reach" in ep.info["error"]
+    assert ep.turns[-1].error_kinds == ["policy_error"]
