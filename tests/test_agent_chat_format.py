@@ -160,3 +160,16 @@ def test_insert_message_before(tok):
     assert pos[: len(prompt)] == list(range(len(prompt)))
     with pytest.raises(ValueError, match="hints go before assistant turns: \\[1\\]"):
         insert_message_before(ep, 0, "user", "x", fmt)
+
+
+def test_wrapped_tokenizers_are_accepted(tok, tmp_path):
+    class Wrapper:  # like cadenza.model.tokenizer.Tokenizer: the tokenizers object on .hf
+        def __init__(self, hf):
+            self.hf = hf
+
+    tok.save(str(tmp_path / "tokenizer.json"))
+    a = CadenzaFormat(Wrapper(tok)).encode_conversation([{"role": "user", "content": "hi"}])
+    b = CadenzaFormat(tmp_path).encode_conversation([{"role": "user", "content": "hi"}])
+    assert a == b == CadenzaFormat(tok).encode_conversation([{"role": "user", "content": "hi"}])
+    with pytest.raises(ChatFormatError, match="no tokenizer.json"):
+        CadenzaFormat(tmp_path / "missing")

@@ -46,7 +46,7 @@ def backend_tokenizer(tok: Any) -> Any:
         if not p.is_file():
             raise ChatFormatError(f"no tokenizer.json at {p}; expected a tokenizers JSON file")
         return Tokenizer.from_file(str(p))
-    for attr in ("backend_tokenizer", "tokenizer", "_tokenizer"):
+    for attr in ("hf", "backend_tokenizer", "tokenizer", "_tokenizer"):
         inner = getattr(tok, attr, None)
         if isinstance(inner, Tokenizer):
             return inner
