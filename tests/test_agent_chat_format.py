@@ -173,3 +173,21 @@ def test_wrapped_tokenizers_are_accepted(tok, tmp_path):
     assert a == b == CadenzaFormat(tok).encode_conversation([{"role": "user", "content": "hi"}])
     with pytest.raises(ChatFormatError, match="no tokenizer.json"):
         CadenzaFormat(tmp_path / "missing")
+
+
+def test_cadenza_tokenizer_from_the_pretrain_stack(tmp_path):
+    """The format over a tokenizer trained by cadenza.model.tokenizer (its own specials)."""
+    from cadenza.model.tokenizer import Tokenizer, train_tokenizer
+
+    src = tmp_path / "corpus.py"
+    src.write_text("def add(a, b):\n    return a + b\n" * 50)
+    trained = train_tokenizer([src], vocab_size=300)
+    trained.save(tmp_path / "tok")
+    for fmt in (CadenzaFormat(trained), load_chat_format(tmp_path / "tok")):
+        assert isinstance(fmt, CadenzaFormat)
+        ids = fmt.encode_conversation([{"role": "user", "content": "def add(a, b):"}])
+        assert trained.decode(ids) == (
+            "<|bos|><|im_start|>user\ndef add(a, b):<|im_end|><|im_start|>assistant\n"
+        )
+        assert fmt.stop_token_ids == [trained.token_id("<|im_end|>"), trained.eos_id]
+    assert isinstance(Tokenizer.from_file(tmp_path / "tok"), Tokenizer)
