@@ -204,8 +204,11 @@ def run(argv: list[str]) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     episodes(True)  # warm-up
-    batched = statistics.median(episodes(True) for _ in range(a.repeats))
-    single = statistics.median(episodes(False) for _ in range(a.repeats))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(a.repeats):  # interleaved, so load changes hit both alike
+        for mode in (True, False):
+            times[mode].append(episodes(mode))
+    batched, single = statistics.median(times[True]), statistics.median(times[False])
     eph_batched = a.group * 3600 / batched
     eph_single = a.group * 3600 / single
     result = {
