@@ -197,11 +197,24 @@ def run(argv: list[str]) -> dict[str, Any]:
         runner = EpisodeRunner(policy, fmt, agent_cfg, run_command=run_command)
         t0 = time.perf_counter()
         if batched:
-            runner.run_group(task, a.group, scratch / f"g{next(counter)}")
+            eps = runner.run_group(task, a.group, scratch / f"g{next(counter)}")
         else:
-            for _ in range(a.group):
-                runner.run_group(task, 1, scratch / f"s{next(counter)}")
-        return time.perf_counter() - t0
+            eps = [
+                e
+                for _ in range(a.group)
+                for e in runner.run_group(task, 1, scratch / f"s{next(counter)}")
+            ]
+        dt = time.perf_counter() - t0
+        stats.append(
+            (
+                sum(len(e.assistant_turns()) for e in eps),
+                sum(sum(e.policy_mask) for e in eps),
+                len(eps),
+            )
+        )
+        return dt
+
+    stats: list[tuple[int, int, int]] = []
 
     episodes(True)  # warm-up
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -209,6 +222,8 @@ def run(argv: list[str]) -> dict[str, Any]:
         for mode in (True, False):
             times[mode].append(episodes(mode))
     batched, single = statistics.median(times[True]), statistics.median(times[False])
+    turns = sum(t for t, _, _ in stats) / sum(n for _, _, n in stats)
+    sampled = sum(k for _, k, _ in stats) / sum(n for _, _, n in stats)
     eph_batched = a.group * 3600 / batched
     eph_single = a.group * 3600 / single
     result = {
@@ -220,10 +235,13 @@ def run(argv: list[str]) -> dict[str, Any]:
         "new_tokens": a.new_tokens,
         "threads": a.threads,
         "commands": runner_note,
+        "mean_assistant_turns": turns,
+        "mean_sampled_tokens": sampled,
     }
     print(
         f"episodes/hour, tiny policy, G={a.group}, {a.turns} turns x {a.new_tokens} tokens, "
-        f"{a.threads} threads, commands via {runner_note}:\n"
+        f"{a.threads} threads, commands via {runner_note}\n"
+        f"(per episode: {turns:.1f} assistant turns, {sampled:.0f} sampled tokens, graded):\n"
         f"  batched group : {eph_batched:8.0f}  ({batched:.2f} s per group, median of {a.repeats})\n"
         f"  one at a time : {eph_single:8.0f}  ({single:.2f} s, baseline)\n"
         f"  ratio         : {eph_batched / eph_single:.2f}x"
