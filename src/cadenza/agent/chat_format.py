@@ -271,8 +271,14 @@ class CadenzaFormat(ChatFormat):
 
 
 def _render_env():
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # a transformers dependency; not one of cadenza's core ones
+        raise ChatFormatError(
+            "this checkpoint ships a chat_template, which needs jinja2: pip install jinja2 "
+            "(it comes with transformers)"
+        ) from e
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
