@@ -266,3 +266,10 @@ def test_malformed_output_battery(tmp_path):
     unclosed = by_label["unclosed, complete json"]
     assert unclosed.turns[-2].tool_name == "read_file"  # complete call still ran
     assert "def add" in unclosed.turns[-2].observation
+
+
+def test_every_battery_kind_is_a_declared_error_kind():
+    from cadenza.agent import ERROR_KINDS
+
+    assert {kind for _, _, kind, _ in BATTERY} <= set(ERROR_KINDS)
+    assert len(set(ERROR_KINDS)) == len(ERROR_KINDS)
