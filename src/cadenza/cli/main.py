@@ -26,6 +26,11 @@ def _register() -> None:
     app.command("train", context_settings={"allow_extra_args": False})(train.train)
     app.add_typer(config_cmd.app, name="config")
     app.command("bench")(bench.bench)
+    from cadenza.cli import eval as eval_cli
+    from cadenza.cli import serve as serve_cli
+
+    app.command("eval")(eval_cli.eval_cmd)
+    app.command("serve")(serve_cli.serve)
     app.add_typer(model.app, name="model")
     app.add_typer(tokenizer.app, name="tokenizer")
     app.add_typer(sandbox.app, name="sandbox")

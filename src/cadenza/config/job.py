@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cadenza.config.agent import AgentConfig
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
 from cadenza.config.optim import OptimConfig
@@ -63,6 +64,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 def tiny() -> Config:
