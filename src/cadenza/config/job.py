@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
+from cadenza.config.rl import RLConfig
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
 
 def tiny() -> Config:

@@ -67,16 +67,20 @@ def _call_text(call: ToolCall) -> str:
 class UnknownTool:
     name = "unknown_tool"
 
+    @staticmethod
+    def hint_text(tools, unknown) -> str:
+        listing = ", ".join(sorted(tools)) or "(none)"
+        what = f" ({', '.join(sorted(set(unknown)))} does not exist)" if unknown else ""
+        return f"Reminder: available tools: {listing}.{what}"
+
     def hints(self, episode: Episode, ctx: FeedbackContext) -> list[Hint]:
         out = []
-        listing = ", ".join(sorted(ctx.tools)) or "(none)"
         for i, turn in enumerate(episode.turns):
             if turn.role != "assistant":
                 continue
             bad = [c.name for c in turn.tool_calls if ctx.tools and c.name not in ctx.tools]
             if bad or "unknown_tool" in turn.error_kinds:
-                what = f" ({', '.join(sorted(set(bad)))} does not exist)" if bad else ""
-                out.append(Hint(i, f"Reminder: available tools: {listing}.{what}", self.name))
+                out.append(Hint(i, self.hint_text(ctx.tools, bad), self.name))
         return out
 
 

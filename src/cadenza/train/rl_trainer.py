@@ -1,0 +1,265 @@
+"""The RL loop: rollouts -> grading -> feedback -> loss -> optimizer step, resumable.
+
+One step:
+    tasks = env.sample_tasks(tasks_per_step)
+    groups = env.rollout(policy, tasks, G)           # graded episodes, behavior logprobs
+    hints = feedback.annotate(episode) per episode    # (turn, hint) pairs -> hint tokens
+    loss = L_RL / N_RL + lambda * L_KL / N_hint       # rl/objective.py
+    backward, clip, optimizer step, teacher EMA update
+
+Determinism: sampling at step s uses a generator seeded from (seed, s) and the task stream is
+a seeded `random.Random` whose state is checkpointed, so a run resumed from the checkpoint of
+step s continues exactly as the uninterrupted run (same metrics, same weights).
+
+Checkpoints (model, optimizer, teacher/reference copies, RNG states, step) are written every
+`train.ckpt_every` steps, at the end, and on SIGTERM (after the step in flight), atomically
+(temp file, then rename). Metrics are one JSON line per step in `out_dir/metrics.jsonl`; on
+resume, lines past the checkpoint are dropped so the file reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cadenza.config.job import Config
+from cadenza.rl.feedback import FeedbackContext, annotate, build_providers
+from cadenza.rl.objective import episode_metrics, rl_objective
+from cadenza.rl.teacher import Teacher
+
+CKPT_NAME = "rl_checkpoint.pt"
+
+
+def build_env(cfg: Config):
+    if cfg.rl.env == "toy":
+        from cadenza.rl.toy_env import ToyEnv
+
+        return ToyEnv(temperature=cfg.rl.temperature, max_context=cfg.rl.max_context)
+    raise ValueError(
+        f"rl.env: expected 'toy', found {cfg.rl.env!r} (the agent-harness environment "
+        "is not wired yet)"
+    )
+
+
+def build_policy(cfg: Config, env) -> nn.Module:
+    """A fresh policy for the environment, warmed up (deterministic for train.seed)."""
+    if cfg.rl.env == "toy":
+        from cadenza.rl.toy_env import ToyPolicy, warmup
+
+        torch.manual_seed(cfg.train.seed)
+        model = ToyPolicy()
+        if cfg.rl.warmup_steps > 0:
+            warmup(model, steps=cfg.rl.warmup_steps, seed=cfg.train.seed)
+        return model
+    raise ValueError(f"rl.env: no policy builder for {cfg.rl.env!r}")
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    if cfg.rl.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
+    if cfg.rl.optimizer == "muon":
+        from cadenza.optim import build_optimizer as build_muon
+
+        return build_muon(model, cfg.optim)
+    raise ValueError(f"rl.optimizer: expected 'adamw' or 'muon', found {cfg.rl.optimizer!r}")
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config, model: nn.Module, env, optimizer=None):
+        self.cfg = cfg
+        self.rl = cfg.rl
+        self.model = model
+        self.env = env
+        self.optimizer = optimizer or build_optimizer(model, cfg)
+        fb = self.rl.feedback
+        self.teacher = Teacher(model, fb.teacher, fb.ema_decay) if fb.enabled else None
+        options = {"llm_judge": {"base_url": fb.judge_url, "model": fb.judge_model}}
+        self.providers = build_providers(fb.providers, **options) if fb.enabled else []
+        self.ref = copy.deepcopy(model).requires_grad_(False) if self.rl.ref_kl_coef > 0 else None
+        self.step = 0
+        self.rng = random.Random(cfg.train.seed)
+        self.out_dir = Path(cfg.train.out_dir)
+        self._stop = False
+
+    # -- one step -------------------------------------------------------------------------
+    def _hints(self, groups, tasks) -> tuple[dict, dict]:
+        hints, dropped = {}, {}
+        errors: dict[str, int] = {}
+        for gi, (g, task) in enumerate(zip(groups, tasks)):
+            for ei, ep in enumerate(g):
+                ctx: FeedbackContext = self.env.feedback_context(task)
+                ctx.max_message_chars = self.rl.feedback.max_message_chars
+                found, drop = annotate(ep, self.providers, ctx)
+                for k, v in drop.items():
+                    dropped[k] = dropped.get(k, 0) + v
+                for k, v in ctx.errors.items():
+                    errors[k] = errors.get(k, 0) + v
+                if found:
+                    hints[(gi, ei)] = [(h, self.env.render_hint(h.text)) for h in found]
+        return hints, {"hints_dropped": dropped, "provider_errors": errors}
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + self.step)
+        tasks = self.env.sample_tasks(self.rl.tasks_per_step, self.rng)
+        groups = self.env.rollout(self.model, tasks, self.rl.group_size, gen)
+        metrics = {"step": self.step}
+        metrics.update(episode_metrics([e for g in groups for e in g]))
+        hints, info = self._hints(groups, tasks) if self.teacher is not None else ({}, {})
+        out = rl_objective(
+            self.model,
+            groups,
+            self.rl,
+            hints,
+            self.teacher.model if self.teacher is not None else None,
+            self.ref,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.rl.grad_clip)
+        self.optimizer.step()
+        if self.teacher is not None:
+            self.teacher.update()
+        self.step += 1
+        metrics.update(out.metrics, **info, grad_norm=float(grad_norm))
+        metrics["step_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out_dir / CKPT_NAME
+
+    def save_checkpoint(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "teacher": self.teacher.state_dict() if self.teacher is not None else {},
+            "ref": self.ref.state_dict() if self.ref is not None else {},
+            "task_rng": self.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        _atomic_save(state, self.ckpt_path)
+
+    def load_checkpoint(self) -> bool:
+        if not self.ckpt_path.is_file():
+            return False
+        state = torch.load(self.ckpt_path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.teacher is not None:
+            self.teacher.load_state_dict(state["teacher"])
+        if self.ref is not None and state["ref"]:
+            self.ref.load_state_dict(state["ref"])
+        self.rng.setstate(state["task_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        return True
+
+    def _truncate_metrics(self, path: Path) -> None:
+        if not path.is_file():
+            return
+        keep = [
+            ln
+            for ln in path.read_text().splitlines()
+            if ln.strip() and json.loads(ln).get("step", -1) < self.step
+        ]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, path)
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, steps: int, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+        """Train until `steps` total steps; returns this call's metrics."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.out_dir / "metrics.jsonl"
+        self._truncate_metrics(metrics_path)
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum, frame):
+            self._stop = True
+
+        in_main = _is_main_thread()
+        if in_main:
+            signal.signal(signal.SIGTERM, on_term)
+        history = []
+        try:
+            with metrics_path.open("a") as f:
+                while self.step < steps and not self._stop:
+                    m = self.train_step()
+                    f.write(json.dumps(m, sort_keys=True) + "\n")
+                    f.flush()
+                    history.append(m)
+                    if on_step is not None:
+                        on_step(m)
+                    every = self.cfg.train.ckpt_every
+                    if every > 0 and self.step % every == 0:
+                        self.save_checkpoint()
+            self.save_checkpoint()
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+        return history
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _print_step(cfg: Config) -> Callable[[dict], None]:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+
+    def show(m: dict) -> None:
+        if m["step"] % max(cfg.train.log_every, 1) == 0 or m["step"] == cfg.train.steps - 1:
+            console.print(
+                f"[bold]rl step {m['step']:>5}[/] reward {m['reward']:.3f} "
+                f"invalid-calls {m['invalid_call_rate']:.3f} hints {m['hint_spans']:>3} "
+                f"kl {m['hint_kl_mean']:.4f} loss {m.get('loss', 0.0):+.4f} "
+                f"({m['step_time_s']:.2f}s)"
+            )
+
+    return show
+
+
+def run_rl_job(cfg: Config, quiet: bool = False) -> RLTrainer:
+    """`cadenza train train.mode=rl`: build env, policy and trainer; resume if asked."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    env = build_env(cfg)
+    resuming = cfg.train.resume and (Path(cfg.train.out_dir) / CKPT_NAME).is_file()
+    if resuming:
+        from dataclasses import replace
+
+        # weights come from the checkpoint: skip the warm-up
+        cfg_model = replace(cfg, rl=replace(cfg.rl, warmup_steps=0))
+        model = build_policy(cfg_model, env)
+    else:
+        model = build_policy(cfg, env)
+    trainer = RLTrainer(cfg, model, env)
+    if resuming:
+        trainer.load_checkpoint()
+    trainer.run(cfg.train.steps, on_step=None if quiet else _print_step(cfg))
+    return trainer
