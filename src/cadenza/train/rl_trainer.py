@@ -243,7 +243,9 @@ def _print_step(cfg: Config) -> Callable[[dict], None]:
     return show
 
 
-def run_rl_job(cfg: Config, quiet: bool = False) -> RLTrainer:
+def run_rl_job(
+    cfg: Config, quiet: bool = False, on_step: Callable[[dict], None] | None = None
+) -> RLTrainer:
     """`cadenza train train.mode=rl`: build env, policy and trainer; resume if asked."""
     torch.manual_seed(cfg.train.seed)
     if cfg.train.threads > 0:
@@ -261,5 +263,13 @@ def run_rl_job(cfg: Config, quiet: bool = False) -> RLTrainer:
     trainer = RLTrainer(cfg, model, env)
     if resuming:
         trainer.load_checkpoint()
-    trainer.run(cfg.train.steps, on_step=None if quiet else _print_step(cfg))
+    show = None if quiet else _print_step(cfg)
+
+    def each(m: dict) -> None:
+        if show is not None:
+            show(m)
+        if on_step is not None:
+            on_step(m)
+
+    trainer.run(cfg.train.steps, on_step=each)
     return trainer
