@@ -215,7 +215,7 @@ def warmup(
     batch: int = 64,
     seed: int = 0,
     p_invalid: float = 0.3,
-    p_recall: float = 0.85,
+    p_recall: float = 0.97,
     lr: float = 1e-2,
 ) -> float:
     """Supervised warm-up on demonstrations (half with a reminder before the call turn);
