@@ -102,11 +102,13 @@ def rl_objective(
         return StepOutput(zero, metrics)
     batch = collate(chosen, advs, rl_on)
     logits = logits_of(model, batch.ids)
-    logprobs = token_logprobs(logits, batch.ids)
+    # the sampler's behavior logprobs are of the tempered distribution; score the same one
+    logprobs = token_logprobs(logits / cfg.temperature, batch.ids)
     ref_lp = None
     if ref_model is not None and cfg.ref_kl_coef > 0:
         with torch.no_grad():
-            ref_lp = token_logprobs(logits_of(ref_model, batch.ids), batch.ids)
+            ref_logits = logits_of(ref_model, batch.ids) / cfg.temperature
+            ref_lp = token_logprobs(ref_logits, batch.ids)
     n_rl = int(batch.mask.sum())
     weights = token_weights(batch.mask, cfg.aggregation, cfg.max_tokens or None)
     pl = policy_loss(

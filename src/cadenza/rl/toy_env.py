@@ -90,12 +90,14 @@ def _tool_result(tool: int, arg: int) -> int:
     return TOK["error"]
 
 
-def _sample(logits: Tensor, allowed: list[int], temperature: float, gen: torch.Generator):
-    """Sample among `allowed` token ids (the harness's constrained decoding of a slot)."""
-    sub = logits[:, allowed].float() / temperature
-    logp = F.log_softmax(sub, dim=-1)
-    j = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
-    return torch.tensor(allowed)[j], logp.gather(-1, j[:, None])[:, 0]
+def _sample(logits: Tensor, temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Sample from the full vocabulary; returns (token ids [N], their logprobs [N]).
+
+    Unconstrained on purpose: the behavior logprobs must be those of the distribution the
+    trainer scores (a tool-name slot filled with a non-tool word is an invalid call)."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
 class ToyEnv:
@@ -130,14 +132,14 @@ class ToyEnv:
             SYSTEM + [TOK["<user>"], TOK[str(x)], TOK["<end>"], TOK["<assistant>"]] for x in xs
         ]
         ids = torch.tensor(prefix)
-        tool, lp_tool = _sample(model(ids)[:, -1], TOOL_IDS, self.temperature, gen)
+        tool, lp_tool = _sample(model(ids)[:, -1], self.temperature, gen)
         ids = torch.cat([ids, tool[:, None]], 1)
-        arg, lp_arg = _sample(model(ids)[:, -1], DIGIT_IDS, self.temperature, gen)
+        arg, lp_arg = _sample(model(ids)[:, -1], self.temperature, gen)
         result = torch.tensor([_tool_result(int(t), int(a)) for t, a in zip(tool, arg)])
         tail = torch.tensor([TOK["<end>"], TOK["<tool>"]]).expand(n, 2)
         ids = torch.cat([ids, arg[:, None], tail, result[:, None]], 1)
         ids = torch.cat([ids, torch.tensor([TOK["<end>"], TOK["<assistant>"]]).expand(n, 2)], 1)
-        ans, lp_ans = _sample(model(ids)[:, -1], DIGIT_IDS, self.temperature, gen)
+        ans, lp_ans = _sample(model(ids)[:, -1], self.temperature, gen)
         ids = torch.cat([ids, ans[:, None], torch.full((n, 1), TOK["<end>"])], 1)
         episodes = [
             self._episode(
@@ -161,7 +163,12 @@ class ToyEnv:
             VOCAB[ids[a2 + 1]],
         )
         arguments = {"x": int(arg)} if arg in DIGITS else None
-        errors = [] if tool in VALID_TOOLS else ["unknown_tool"]
+        if tool not in VALID_TOOLS:
+            errors = ["unknown_tool"]
+        elif arguments is None:
+            errors = ["invalid_arguments"]
+        else:
+            errors = []
         turns = [
             Turn("system", 0, s, "tools: " + " ".join(VALID_TOOLS)),
             Turn("user", s, a1, str(task.x)),
