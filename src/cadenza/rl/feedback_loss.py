@@ -19,11 +19,67 @@ from cadenza.rl.feedback import Hint, teacher_prefers_other
 from cadenza.rl.kl import span_divergence
 from cadenza.rl.teacher import (
     SpanError,
+    TeacherInput,
     TeacherStats,
     build_teacher_input,
     logits_of,
     teacher_logits,
 )
+
+
+def prepare_spans(
+    episode: Episode,
+    hints: list[Hint],
+    hint_ids: list[list[int]],
+    stats: TeacherStats,
+    max_len: int | None = None,
+) -> list[tuple[Hint, TeacherInput]]:
+    """Teacher inputs for the usable hints; the others are counted in `stats.skipped`."""
+    out = []
+    for hint, ids in zip(hints, hint_ids):
+        try:
+            out.append((hint, build_teacher_input(episode, hint.turn_index, ids, max_len)))
+        except SpanError as e:
+            stats.skipped[e.reason] += 1
+    return out
+
+
+def span_loss(
+    student_logits: Tensor,
+    episode: Episode,
+    hint: Hint,
+    t_in: TeacherInput,
+    q: Tensor | None,
+    stats: TeacherStats,
+    estimator: str = "reverse_kl",
+    topk: int = 16,
+    margin: float = 0.0,
+) -> tuple[Tensor | None, int]:
+    """(sum of divergence terms, tokens) of one hinted span; (None, 0) if filtered/failed."""
+    if q is None:
+        stats.skipped["forward_error"] += 1
+        return None, 0
+    p = student_logits[t_in.student_rows]
+    y = torch.tensor([episode.token_ids[i] for i in t_in.target_positions], device=p.device)
+    with torch.no_grad():
+        lp = F.log_softmax(p.float(), -1).gather(-1, y[:, None])[:, 0]
+        lq = F.log_softmax(q.float(), -1).gather(-1, y[:, None])[:, 0]
+    keep, gain = teacher_prefers_other(lp.tolist(), lq.tolist(), margin)
+    if not keep and margin > 0:
+        stats.skipped["no_margin"] += 1
+        return None, 0
+    terms, est = span_divergence(estimator, p, q, y, topk)
+    stats.hinted_by_provider.update(hint.provider.split("+"))
+    stats.spans.append(
+        {
+            "provider": hint.provider,
+            "turn": hint.turn_index,
+            "tokens": len(y),
+            "kl": float(est.mean()),
+            "gain": gain,
+        }
+    )
+    return terms.sum(), len(y)
 
 
 def hint_loss(
@@ -44,43 +100,13 @@ def hint_loss(
     same forward as the RL term). Nothing here raises for a bad span: it is counted in
     `stats.skipped` and left out.
     """
-    zero = student_logits.sum() * 0.0
-    inputs, used = [], []
-    for hint, ids in zip(hints, hint_ids):
-        try:
-            inputs.append(build_teacher_input(episode, hint.turn_index, ids, max_len))
-            used.append(hint)
-        except SpanError as e:
-            stats.skipped[e.reason] += 1
-    try:
-        teacher_rows = teacher_logits(teacher_model, inputs)
-    except Exception:  # a failing teacher forward costs this episode's hints, not the run
-        stats.skipped["forward_error"] += len(inputs)
-        return zero, 0
-    total, n_tokens = zero, 0
-    for hint, t_in, q in zip(used, inputs, teacher_rows):
-        p = student_logits[t_in.student_rows]
-        y = torch.tensor([episode.token_ids[i] for i in t_in.target_positions], device=p.device)
-        with torch.no_grad():
-            lp = F.log_softmax(p.float(), -1).gather(-1, y[:, None])[:, 0]
-            lq = F.log_softmax(q.float(), -1).gather(-1, y[:, None])[:, 0]
-        keep, gain = teacher_prefers_other(lp.tolist(), lq.tolist(), margin)
-        if not keep and margin > 0:
-            stats.skipped["no_margin"] += 1
-            continue
-        terms, est = span_divergence(estimator, p, q, y, topk)
-        total = total + terms.sum()
-        n_tokens += len(y)
-        stats.hinted_by_provider.update(hint.provider.split("+"))
-        stats.spans.append(
-            {
-                "provider": hint.provider,
-                "turn": hint.turn_index,
-                "tokens": len(y),
-                "kl": float(est.mean()),
-                "gain": gain,
-            }
-        )
+    total, n_tokens = student_logits.sum() * 0.0, 0
+    spans = prepare_spans(episode, hints, hint_ids, stats, max_len)
+    qs = teacher_logits(teacher_model, [t for _, t in spans])
+    for (hint, t_in), q in zip(spans, qs):
+        s, n = span_loss(student_logits, episode, hint, t_in, q, stats, estimator, topk, margin)
+        if s is not None:
+            total, n_tokens = total + s, n_tokens + n
     return total, n_tokens
 
 

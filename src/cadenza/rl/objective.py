@@ -20,10 +20,10 @@ from cadenza.agent.episode import Episode
 from cadenza.config.rl import RLConfig
 from cadenza.rl.advantages import group_advantages, informative_groups
 from cadenza.rl.feedback import Hint
-from cadenza.rl.feedback_loss import hint_loss
+from cadenza.rl.feedback_loss import prepare_spans, span_loss
 from cadenza.rl.kl import combine
 from cadenza.rl.policy_loss import policy_loss, token_weights
-from cadenza.rl.teacher import TeacherStats, logits_of
+from cadenza.rl.teacher import TeacherStats, batched_teacher_logits, logits_of, teacher_logits
 
 
 @dataclass
@@ -124,23 +124,28 @@ def rl_objective(
     )
     kl_sum, n_hint = logits.sum() * 0.0, 0
     fb = cfg.feedback
+    teacher = teacher_model if teacher_model is not None else model
+    spans = []  # (row in batch, hint, teacher input) over the whole step
     for k, key in enumerate(keys):
         pairs = hints.get(key)
-        if not pairs:
-            continue
-        s, n = hint_loss(
-            logits[k, : batch.lengths[k]],
-            chosen[k],
-            [h for h, _ in pairs],
-            [ids for _, ids in pairs],
-            teacher_model if teacher_model is not None else model,
-            stats,
-            fb.estimator,
-            fb.topk,
-            fb.margin,
-            cfg.max_context,
-        )
-        kl_sum, n_hint = kl_sum + s, n_hint + n
+        if pairs:
+            found = prepare_spans(
+                chosen[k], [h for h, _ in pairs], [i for _, i in pairs], stats, cfg.max_context
+            )
+            spans.extend((k, h, t) for h, t in found)
+    if spans:
+        if getattr(teacher, "score_with_prefix", None) is not None:
+            qs = []  # per episode: the prefix cache is shared within an episode
+            for k in dict.fromkeys(k for k, _, _ in spans):
+                qs.extend(teacher_logits(teacher, [t for kk, _, t in spans if kk == k]))
+        else:
+            qs = batched_teacher_logits(teacher, [t for _, _, t in spans])
+        for (k, hint, t_in), q in zip(spans, qs):
+            s, n = span_loss(
+                logits[k], chosen[k], hint, t_in, q, stats, fb.estimator, fb.topk, fb.margin
+            )
+            if s is not None:
+                kl_sum, n_hint = kl_sum + s, n_hint + n
     loss = combine(pl.loss, kl_sum, n_hint, fb.kl_coef)
     metrics.update(
         rl_loss=float(pl.loss.detach()),

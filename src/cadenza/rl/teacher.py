@@ -98,11 +98,34 @@ def logits_of(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def teacher_logits(model: nn.Module, inputs: list[TeacherInput]) -> list[Tensor]:
-    """Teacher logits [n_targets, V] for each hinted span of ONE episode.
+def batched_teacher_logits(model: nn.Module, inputs: list[TeacherInput], chunk: int = 64):
+    """Teacher logits [n_targets, V] per input, right-padded into batches of `chunk`.
+
+    Right padding is invisible to a causal model at the positions we read. A chunk whose
+    forward raises yields None for each of its inputs (the caller counts them)."""
+    device = next(model.parameters()).device
+    out: list[Tensor | None] = []
+    for c in range(0, len(inputs), chunk):
+        part = inputs[c : c + chunk]
+        width = max(len(t.ids) for t in part)
+        ids = torch.zeros((len(part), width), dtype=torch.long, device=device)
+        for k, t in enumerate(part):
+            ids[k, : len(t.ids)] = torch.tensor(t.ids, device=device)
+        try:
+            logits = logits_of(model, ids)
+        except Exception:  # counted by the caller as forward_error
+            out.extend([None] * len(part))
+            continue
+        out.extend(logits[k, t.teacher_rows] for k, t in enumerate(part))
+    return out
+
+
+@torch.no_grad()
+def teacher_logits(model: nn.Module, inputs: list[TeacherInput]) -> list[Tensor | None]:
+    """Teacher logits [n_targets, V] for each hinted span of ONE episode (None: failed).
 
     Uses `model.score_with_prefix(prefix_ids, suffixes, rows)` when the model provides it
-    (prefix KV computed once for all spans; see module docstring); otherwise one forward each.
+    (prefix KV computed once for all spans; see module docstring); otherwise batched forwards.
     """
     if not inputs:
         return []
@@ -112,13 +135,11 @@ def teacher_logits(model: nn.Module, inputs: list[TeacherInput]) -> list[Tensor]
         prefix = inputs[0].ids[:shared]
         suffixes = [t.ids[shared:] for t in inputs]
         rows = [[r - shared for r in t.teacher_rows] for t in inputs]
-        return list(scorer(prefix, suffixes, rows))
-    device = next(model.parameters()).device
-    out = []
-    for t in inputs:
-        logits = logits_of(model, torch.tensor([t.ids], device=device))[0]
-        out.append(logits[t.teacher_rows])
-    return out
+        try:
+            return list(scorer(prefix, suffixes, rows))
+        except Exception:
+            return [None] * len(inputs)
+    return batched_teacher_logits(model, inputs)
 
 
 class Teacher:

@@ -50,9 +50,16 @@ def answer_of(x: int) -> int:
     return (3 * x + 1) % 10
 
 
+TEXT_TOK = {w: TOK[w] for w in VOCAB if w not in SPECIAL}
+
+
 def encode(text: str) -> list[int]:
-    """Word-level tokenizer: words and punctuation of VOCAB, anything else <unk>."""
-    return [TOK.get(w, TOK["<unk>"]) for w in re.findall(r"<\w+>|\w+|[^\w\s]", text)]
+    """Word-level tokenizer: words and punctuation of VOCAB, anything else <unk>.
+
+    Text never produces special tokens: a hint that quotes "<end>" (say, a tool name the
+    policy made up) must not close the message it sits in."""
+    unk = TOK["<unk>"]
+    return [TEXT_TOK.get(w, unk) for w in re.findall(r"<\w+>|\w+|[^\w\s]", text)]
 
 
 def render_hint(text: str) -> list[int]:
@@ -200,7 +207,7 @@ def _demo(rng: random.Random, hinted: bool, p_invalid: float, p_recall: float) -
     x = rng.randrange(10)
     seq = SYSTEM + [TOK["<user>"], TOK[str(x)], TOK["<end>"]]
     if hinted:
-        bad = rng.choice(INVALID_TOOLS)
+        bad = rng.choice(INVALID_TOOLS + ("<made-up>", "7"))
         text = UnknownTool.hint_text(VALID_TOOLS, [bad] if rng.random() < 0.5 else [])
         seq += render_hint(text)
         tool = rng.choice(VALID_TOOLS)
