@@ -21,6 +21,10 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Round the YaRN correction range to whole dimensions (Hugging Face's default).
+    truncate: bool = True
+    # Scale of cos/sin; None: derived from factor, mscale and mscale_all_dim as in YaRN.
+    attention_factor: float | None = None
 
 
 @dataclass
@@ -49,13 +53,18 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # DeepSeek checkpoints store the rotary dims as interleaved pairs (x0, x1), (x2, x3), ...
+    rope_interleave: bool = True
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Multi-token-prediction layers stored after the main layers in hub checkpoints; cadenza
+    # does not run them (their weights are skipped on load).
+    num_nextn_predict_layers: int = 0
     # Aux-loss-free balancing: step size of the e_score_correction_bias update.
     bias_update_speed: float = 1e-3
 
@@ -69,6 +78,27 @@ class ModelConfig:
             problems.append(f"topk_group={self.topk_group} > n_group={self.n_group}")
         if self.num_experts_per_tok > self.n_routed_experts:
             problems.append("num_experts_per_tok > n_routed_experts")
+        elif (
+            self.n_routed_experts
+            and self.n_group
+            and (
+                self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group)
+            )
+        ):
+            problems.append(
+                f"num_experts_per_tok={self.num_experts_per_tok} > topk_group * experts per group"
+                f" = {self.topk_group * (self.n_routed_experts // self.n_group)}"
+            )
+        if self.n_group < 1 or self.topk_group < 1:
+            problems.append(f"n_group={self.n_group} and topk_group={self.topk_group} must be >= 1")
+        if self.scoring_func != "sigmoid":
+            problems.append(f"scoring_func={self.scoring_func!r}: only 'sigmoid' is supported")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
+        if self.rope_scaling.type not in ("none", "yarn"):
+            problems.append(
+                f"rope_scaling.type={self.rope_scaling.type!r}: expected 'none' or 'yarn'"
+            )
         if self.first_k_dense_replace > self.num_hidden_layers:
             problems.append("first_k_dense_replace > num_hidden_layers")
         if self.qk_rope_head_dim % 2:
