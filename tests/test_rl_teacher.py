@@ -167,3 +167,50 @@ def test_ema_teacher_update():
     assert Teacher(model, "current").model is model
     with pytest.raises(ValueError, match="teacher mode"):
         Teacher(model, "bogus")
+
+
+def _small_causal_lm():
+    from cadenza.config.model import ModelConfig
+    from cadenza.model import CausalLM
+
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    return CausalLM(cfg)
+
+
+def test_causal_lm_shared_prefix_cache_matches_direct_forwards():
+    model = _small_causal_lm()
+    ep = _episode()
+    hint = [11, 12, 10]
+    inputs = [build_teacher_input(ep, 2, hint), build_teacher_input(ep, 4, [12])]
+    got = teacher_logits(model, inputs)  # prefill once + score both suffixes
+    for t, rows in zip(inputs, got):
+        for j, i in enumerate(t.target_positions):
+            s = t.insert_at
+            ctx = ep.token_ids[:s] + (hint if s == 5 else [12]) + ep.token_ids[s:i]
+            want = model(torch.tensor([ctx]))[0, -1]
+            torch.testing.assert_close(rows[j], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["reverse_kl", "sampled"])
+def test_causal_lm_empty_hint_self_test(estimator):
+    assert empty_hint_self_test(_small_causal_lm(), _episode(), estimator) == {
+        "kl": 0.0,
+        "grad": 0.0,
+    }

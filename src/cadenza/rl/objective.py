@@ -23,7 +23,13 @@ from cadenza.rl.feedback import Hint
 from cadenza.rl.feedback_loss import prepare_spans, span_loss
 from cadenza.rl.kl import combine
 from cadenza.rl.policy_loss import policy_loss, token_weights
-from cadenza.rl.teacher import TeacherStats, batched_teacher_logits, logits_of, teacher_logits
+from cadenza.rl.teacher import (
+    TeacherStats,
+    batched_teacher_logits,
+    logits_of,
+    prefix_scorer,
+    teacher_logits,
+)
 
 
 @dataclass
@@ -134,12 +140,20 @@ def rl_objective(
             )
             spans.extend((k, h, t) for h, t in found)
     if spans:
-        if getattr(teacher, "score_with_prefix", None) is not None:
-            qs = []  # per episode: the prefix cache is shared within an episode
-            for k in dict.fromkeys(k for k, _, _ in spans):
-                qs.extend(teacher_logits(teacher, [t for kk, _, t in spans if kk == k]))
-        else:
-            qs = batched_teacher_logits(teacher, [t for _, _, t in spans])
+        # Episodes with several hinted turns share their prefix's KV cache (when the model
+        # offers prefix scoring); single spans go into one batched forward.
+        per_episode: dict[int, list[int]] = {}
+        for j, (k, _, _) in enumerate(spans):
+            per_episode.setdefault(k, []).append(j)
+        shared = prefix_scorer(teacher) is not None
+        qs: list = [None] * len(spans)
+        single = [j for js in per_episode.values() if len(js) == 1 or not shared for j in js]
+        for j, q in zip(single, batched_teacher_logits(teacher, [spans[j][2] for j in single])):
+            qs[j] = q
+        for js in per_episode.values():
+            if shared and len(js) > 1:
+                for j, q in zip(js, teacher_logits(teacher, [spans[j][2] for j in js])):
+                    qs[j] = q
         for (k, hint, t_in), q in zip(spans, qs):
             s, n = span_loss(
                 logits[k], chosen[k], hint, t_in, q, stats, fb.estimator, fb.topk, fb.margin

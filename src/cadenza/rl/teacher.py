@@ -22,8 +22,10 @@ span is left out of the loss.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +99,17 @@ def logits_of(model: nn.Module, ids: Tensor) -> Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Teacher forwards must not count router load or take training-only branches."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def batched_teacher_logits(model: nn.Module, inputs: list[TeacherInput], chunk: int = 64):
     """Teacher logits [n_targets, V] per input, right-padded into batches of `chunk`.
@@ -105,31 +118,59 @@ def batched_teacher_logits(model: nn.Module, inputs: list[TeacherInput], chunk: 
     forward raises yields None for each of its inputs (the caller counts them)."""
     device = next(model.parameters()).device
     out: list[Tensor | None] = []
-    for c in range(0, len(inputs), chunk):
-        part = inputs[c : c + chunk]
-        width = max(len(t.ids) for t in part)
-        ids = torch.zeros((len(part), width), dtype=torch.long, device=device)
-        for k, t in enumerate(part):
-            ids[k, : len(t.ids)] = torch.tensor(t.ids, device=device)
-        try:
-            logits = logits_of(model, ids)
-        except Exception:  # counted by the caller as forward_error
-            out.extend([None] * len(part))
-            continue
-        out.extend(logits[k, t.teacher_rows] for k, t in enumerate(part))
+    with _eval_mode(model):
+        for c in range(0, len(inputs), chunk):
+            part = inputs[c : c + chunk]
+            width = max(len(t.ids) for t in part)
+            ids = torch.zeros((len(part), width), dtype=torch.long, device=device)
+            for k, t in enumerate(part):
+                ids[k, : len(t.ids)] = torch.tensor(t.ids, device=device)
+            try:
+                logits = logits_of(model, ids)
+            except Exception:  # counted by the caller as forward_error
+                out.extend([None] * len(part))
+                continue
+            out.extend(logits[k, t.teacher_rows] for k, t in enumerate(part))
     return out
+
+
+def _causal_lm_scores(model: nn.Module, prefix: list[int], suffixes, rows) -> list[Tensor]:
+    """cadenza.model's prefill/score: the prefix's KV cache is computed once and shared by
+    every suffix (hint + turn); `rows` are relative to the prefix end."""
+    from cadenza.model import prefill, score
+
+    with _eval_mode(model):
+        pre = prefill(model, [prefix]).repeat(len(suffixes))
+        # Scores.logits[b, i] predicts suffix token i, i.e. comes from position prefix + i - 1
+        sc = score(model, pre, [list(s) for s in suffixes])
+    return [sc.logits[b, [r + 1 for r in rs]] for b, rs in enumerate(rows)]
+
+
+def prefix_scorer(model: nn.Module):
+    """The model's shared-prefix scoring function, or None: a `score_with_prefix(prefix,
+    suffixes, rows)` method, or cadenza.model's prefill/score for a CausalLM."""
+    fn = getattr(model, "score_with_prefix", None)
+    if fn is not None:
+        return fn
+    from cadenza.model import CausalLM
+
+    if isinstance(model, CausalLM):
+        return lambda prefix, suffixes, rows: _causal_lm_scores(model, prefix, suffixes, rows)
+    return None
 
 
 @torch.no_grad()
 def teacher_logits(model: nn.Module, inputs: list[TeacherInput]) -> list[Tensor | None]:
     """Teacher logits [n_targets, V] for each hinted span of ONE episode (None: failed).
 
-    Uses `model.score_with_prefix(prefix_ids, suffixes, rows)` when the model provides it
-    (prefix KV computed once for all spans; see module docstring); otherwise batched forwards.
+    With several spans and a prefix scorer (`prefix_scorer`), the prefix before the first
+    hinted turn is computed once for all of them; otherwise batched full forwards (these give
+    bit-identical logits to the student's forward on the same tokens, which the empty-hint
+    self-test relies on).
     """
     if not inputs:
         return []
-    scorer = getattr(model, "score_with_prefix", None)
+    scorer = prefix_scorer(model)
     if scorer is not None and len(inputs) > 1:
         shared = min(t.insert_at for t in inputs)
         prefix = inputs[0].ids[:shared]
