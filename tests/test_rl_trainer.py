@@ -25,10 +25,12 @@ ARGS = [
 
 CHILD = """
 import sys, time
+import torch
+torch.set_num_threads(1)
 from cadenza.config import load_config
 from cadenza.train.rl_trainer import run_rl_job
 cfg = load_config("tiny", sys.argv[1:])
-run_rl_job(cfg, quiet=True, on_step=lambda m: time.sleep(0.4))
+run_rl_job(cfg, quiet=True, on_step=lambda m: time.sleep(0.3))
 """
 
 
@@ -73,6 +75,9 @@ def test_kill9_and_sigterm_then_resume_equal_uninterrupted(tmp_path):
     torch.set_num_threads(1)
     ref = tmp_path / "ref"
     run_rl_job(_cfg(ref), quiet=True)
+    first = _metrics(ref)[0]
+    assert first["self_test"] == {"kl": 0.0, "grad": 0.0}  # empty hint on a real episode
+    assert first["hint_spans"] > 0 and first["hinted_by_provider"]["unknown_tool"] > 0
 
     killed = tmp_path / "killed"
     proc = _start_child(killed)

@@ -22,6 +22,7 @@ from cadenza.rl.teacher import (
     TeacherInput,
     TeacherStats,
     build_teacher_input,
+    eval_mode,
     logits_of,
     teacher_logits,
 )
@@ -118,6 +119,11 @@ def empty_hint_self_test(
     Checks every assistant turn of `episode` through the same code path as training (index
     map, teacher forward, estimator). Returns {"kl": max |KL|, "grad": max |gradient|}.
     """
+    with eval_mode(model):
+        return _self_test(model, episode, estimator)
+
+
+def _self_test(model: nn.Module, episode: Episode, estimator: str) -> dict[str, float]:
     device = next(model.parameters()).device
     worst_kl, worst_grad = 0.0, 0.0
     for k in episode.assistant_turns():

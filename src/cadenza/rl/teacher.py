@@ -100,7 +100,7 @@ def logits_of(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """Teacher forwards must not count router load or take training-only branches."""
     was_training = model.training
     model.eval()
@@ -118,7 +118,7 @@ def batched_teacher_logits(model: nn.Module, inputs: list[TeacherInput], chunk: 
     forward raises yields None for each of its inputs (the caller counts them)."""
     device = next(model.parameters()).device
     out: list[Tensor | None] = []
-    with _eval_mode(model):
+    with eval_mode(model):
         for c in range(0, len(inputs), chunk):
             part = inputs[c : c + chunk]
             width = max(len(t.ids) for t in part)
@@ -139,7 +139,7 @@ def _causal_lm_scores(model: nn.Module, prefix: list[int], suffixes, rows) -> li
     every suffix (hint + turn); `rows` are relative to the prefix end."""
     from cadenza.model import prefill, score
 
-    with _eval_mode(model):
+    with eval_mode(model):
         pre = prefill(model, [prefix]).repeat(len(suffixes))
         # Scores.logits[b, i] predicts suffix token i, i.e. comes from position prefix + i - 1
         sc = score(model, pre, [list(s) for s in suffixes])
@@ -222,6 +222,13 @@ class TeacherStats:
     hinted_by_provider: Counter = field(default_factory=Counter)  # provider -> spans used
     spans: list[dict] = field(default_factory=list)  # per span: provider, turn, tokens, kl, gain
 
+    def _kl_by_provider(self) -> dict[str, float]:
+        sums: dict[str, list[float]] = {}
+        for s in self.spans:
+            for p in s["provider"].split("+"):
+                sums.setdefault(p, []).append(s["kl"])
+        return {p: sum(v) / len(v) for p, v in sums.items()}
+
     def summary(self) -> dict:
         n = len(self.spans)
         return {
@@ -230,5 +237,6 @@ class TeacherStats:
             "hint_kl_mean": sum(s["kl"] for s in self.spans) / n if n else 0.0,
             "teacher_gain_mean": sum(s["gain"] for s in self.spans) / n if n else 0.0,
             "hinted_by_provider": dict(self.hinted_by_provider),
+            "hint_kl_by_provider": self._kl_by_provider(),
             "hint_skipped": dict(self.skipped),
         }

@@ -34,6 +34,7 @@ from torch import nn
 
 from cadenza.config.job import Config
 from cadenza.rl.feedback import FeedbackContext, annotate, build_providers
+from cadenza.rl.feedback_loss import empty_hint_self_test
 from cadenza.rl.objective import episode_metrics, rl_objective
 from cadenza.rl.teacher import Teacher
 
@@ -122,6 +123,11 @@ class RLTrainer:
         metrics = {"step": self.step}
         metrics.update(episode_metrics([e for g in groups for e in g]))
         hints, info = self._hints(groups, tasks) if self.teacher is not None else ({}, {})
+        if self.step == 0 and self.teacher is not None:
+            # the empty-hint self-test on a real episode: must be exactly zero (see rl/kl.py)
+            info["self_test"] = empty_hint_self_test(
+                self.model, groups[0][0], self.rl.feedback.estimator
+            )
         out = rl_objective(
             self.model,
             groups,
