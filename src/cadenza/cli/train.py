@@ -22,6 +22,17 @@ def train(
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+    from cadenza.model.tokenizer import TokenizerError
+    from cadenza.train.checkpoint import CheckpointError
+    from cadenza.train.corpus import CorpusError
     from cadenza.train.job import run_job
+    from cadenza.train.pretrain import Interrupted, PretrainError
 
-    run_job(cfg)
+    try:
+        run_job(cfg)
+    except Interrupted as e:
+        typer.echo(f"{e}; continue with: cadenza train --resume (same config)", err=True)
+        raise typer.Exit(128 + e.signum) from e
+    except (PretrainError, CheckpointError, CorpusError, TokenizerError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
+from cadenza.config.optim import OptimConfig
 from cadenza.config.rl import RLConfig
 
 
@@ -41,7 +42,14 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     ckpt_every: int = 100
-    threads: int = 0  # torch intra-op threads; 0 = leave as is
+    threads: int = 0  # torch intra-op threads; 0 = the cores this process may use
+    lr: float = 3e-3  # peak AdamW learning rate (until cadenza.optim.build_optimizer)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # on matrices only; embeddings, norms, router: none
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    eval_batches: int = 4
+    keep_checkpoints: int = 2  # newest checkpoints kept; 0 keeps all
     sample_prompt: str = "def fibonacci(n):"
     sample_tokens: int = 48
     resume: bool = False
@@ -53,6 +61,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
 
@@ -66,6 +75,7 @@ def k2() -> Config:
         tokenizer=TokenizerConfig(vocab_size=163840),
         data=DataConfig(seq_len=4096, batch_size=1),
         train=TrainConfig(out_dir="runs/k2"),
+        optim=OptimConfig(qk_clip=True),
     )
 
 
