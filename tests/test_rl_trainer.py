@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from cadenza.config import load_config
+from cadenza.config import ConfigError, load_config
 from cadenza.train.rl_trainer import CKPT_NAME, run_rl_job
 
 ARGS = [
@@ -27,10 +27,14 @@ CHILD = """
 import sys, time
 import torch
 torch.set_num_threads(1)
-from cadenza.config import load_config
+from cadenza.config import ConfigError, load_config
+from cadenza.train.pretrain import Interrupted
 from cadenza.train.rl_trainer import run_rl_job
 cfg = load_config("tiny", sys.argv[1:])
-run_rl_job(cfg, quiet=True, on_step=lambda m: time.sleep(0.3))
+try:
+    run_rl_job(cfg, quiet=True, on_step=lambda m: time.sleep(0.3))
+except Interrupted as e:
+    sys.exit(128 + e.signum)
 """
 
 
@@ -97,7 +101,8 @@ def test_kill9_and_sigterm_then_resume_equal_uninterrupted(tmp_path):
     proc = _start_child(termed)
     _wait_for_lines(termed, 2, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0  # finishes the step in flight, checkpoints, exits
+    # finishes the step in flight, checkpoints, exits as the CLI would (128 + SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     done = len(_metrics(termed))
     assert done < 10
     assert torch.load(termed / CKPT_NAME, weights_only=False)["step"] == done
@@ -105,3 +110,28 @@ def test_kill9_and_sigterm_then_resume_equal_uninterrupted(tmp_path):
     assert _metrics(termed) == _metrics(ref)
     for k, v in _weights(termed).items():
         assert torch.equal(v, b[k]), k
+
+
+@pytest.mark.slow
+def test_cli_train_mode_rl(tmp_path):
+    out = tmp_path / "cli"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cadenza.cli.main",
+            "train",
+            *ARGS[:-1],
+            "train.steps=2",
+            "rl.warmup_steps=2",
+            f"train.out_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert [m["step"] for m in _metrics(out)] == [1, 2]
+    with pytest.raises(ConfigError, match=r"rl.env: expected one of \['toy'\]"):
+        load_config("tiny", ["train.mode=rl", "rl.env=nope"])

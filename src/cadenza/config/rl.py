@@ -23,6 +23,15 @@ class FeedbackConfig:
     judge_url: str = ""  # OpenAI-compatible base URL for the llm_judge provider
     judge_model: str = ""
 
+    def __post_init__(self) -> None:
+        _check("rl.feedback.estimator", self.estimator, ("reverse_kl", "topk_jsd", "sampled"))
+        _check("rl.feedback.teacher", self.teacher, ("current", "ema", "frozen"))
+        if "llm_judge" in self.providers and not (self.judge_url and self.judge_model):
+            raise ValueError(
+                "rl.feedback.providers has llm_judge but judge_url/judge_model are empty; "
+                "set rl.feedback.judge_url=http://host:port/v1 and rl.feedback.judge_model=NAME"
+            )
+
 
 @dataclass
 class RLConfig:
@@ -43,3 +52,20 @@ class RLConfig:
     max_context: int = 2048  # hinted teacher sequences longer than this are skipped
     warmup_steps: int = 300  # toy env: supervised warm-up of the fresh policy before RL
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+
+    def __post_init__(self) -> None:
+        _check("rl.env", self.env, ("toy",))
+        _check("rl.optimizer", self.optimizer, ("adamw", "muon"))
+        _check("rl.aggregation", self.aggregation, ("token-mean", "seq-mean", "constant"))
+        if self.aggregation == "constant" and self.max_tokens <= 0:
+            raise ValueError("rl.aggregation=constant (Dr.GRPO) needs rl.max_tokens > 0")
+        if self.group_size < 2:
+            raise ValueError(
+                f"rl.group_size: expected >= 2 (advantages are relative within a group), "
+                f"found {self.group_size}"
+            )
+
+
+def _check(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}: expected one of {list(allowed)}, found {value!r}")

@@ -20,10 +20,8 @@ resume, lines past the checkpoint are dropped so the file reads as one uninterru
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,10 +31,13 @@ import torch
 from torch import nn
 
 from cadenza.config.job import Config
+from cadenza.log.metrics import MetricsWriter, truncate_after
+from cadenza.log.progress import Progress
 from cadenza.rl.feedback import FeedbackContext, annotate, build_providers
 from cadenza.rl.feedback_loss import empty_hint_self_test
 from cadenza.rl.objective import episode_metrics, rl_objective
 from cadenza.rl.teacher import Teacher
+from cadenza.train.pretrain import Interrupted, StopSignals
 
 CKPT_NAME = "rl_checkpoint.pt"
 
@@ -96,7 +97,6 @@ class RLTrainer:
         self.step = 0
         self.rng = random.Random(cfg.train.seed)
         self.out_dir = Path(cfg.train.out_dir)
-        self._stop = False
 
     # -- one step -------------------------------------------------------------------------
     def _hints(self, groups, tasks) -> tuple[dict, dict]:
@@ -120,7 +120,7 @@ class RLTrainer:
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + self.step)
         tasks = self.env.sample_tasks(self.rl.tasks_per_step, self.rng)
         groups = self.env.rollout(self.model, tasks, self.rl.group_size, gen)
-        metrics = {"step": self.step}
+        metrics: dict = {}
         metrics.update(episode_metrics([e for g in groups for e in g]))
         hints, info = self._hints(groups, tasks) if self.teacher is not None else ({}, {})
         if self.step == 0 and self.teacher is not None:
@@ -143,6 +143,7 @@ class RLTrainer:
         if self.teacher is not None:
             self.teacher.update()
         self.step += 1
+        metrics["step"] = self.step  # steps done, as in the pretraining metrics
         metrics.update(out.metrics, **info, grad_norm=float(grad_norm))
         metrics["step_time_s"] = time.perf_counter() - t0
         return metrics
@@ -180,73 +181,38 @@ class RLTrainer:
         self.step = state["step"]
         return True
 
-    def _truncate_metrics(self, path: Path) -> None:
-        if not path.is_file():
-            return
-        keep = [
-            ln
-            for ln in path.read_text().splitlines()
-            if ln.strip() and json.loads(ln).get("step", -1) < self.step
-        ]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        os.replace(tmp, path)
-
     # -- the loop -------------------------------------------------------------------------
     def run(self, steps: int, on_step: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train until `steps` total steps; returns this call's metrics."""
+        """Train until `steps` total steps; returns this call's metrics.
+
+        SIGTERM/SIGINT: the step in flight finishes, a checkpoint is written, and
+        `cadenza.train.pretrain.Interrupted` is raised (the CLI turns it into exit 128+sig)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.out_dir / "metrics.jsonl"
-        self._truncate_metrics(metrics_path)
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_term(signum, frame):
-            self._stop = True
-
-        in_main = _is_main_thread()
-        if in_main:
-            signal.signal(signal.SIGTERM, on_term)
+        truncate_after(metrics_path, self.step)  # records past the checkpoint: redone below
         history = []
-        try:
-            with metrics_path.open("a") as f:
-                while self.step < steps and not self._stop:
-                    m = self.train_step()
-                    f.write(json.dumps(m, sort_keys=True) + "\n")
-                    f.flush()
-                    history.append(m)
-                    if on_step is not None:
-                        on_step(m)
-                    every = self.cfg.train.ckpt_every
-                    if every > 0 and self.step % every == 0:
-                        self.save_checkpoint()
+        with StopSignals() as stop, MetricsWriter(metrics_path) as writer:
+            while self.step < steps and stop.signum is None:
+                m = self.train_step()
+                writer.write(m)
+                history.append(m)
+                if on_step is not None:
+                    on_step(m)
+                every = self.cfg.train.ckpt_every
+                if every > 0 and self.step % every == 0:
+                    self.save_checkpoint()
             self.save_checkpoint()
-        finally:
-            if in_main:
-                signal.signal(signal.SIGTERM, previous)
+            if stop.signum is not None and self.step < steps:
+                raise Interrupted(stop.signum, self.step, self.ckpt_path)
         return history
 
 
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _print_step(cfg: Config) -> Callable[[dict], None]:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-
-    def show(m: dict) -> None:
-        if m["step"] % max(cfg.train.log_every, 1) == 0 or m["step"] == cfg.train.steps - 1:
-            console.print(
-                f"[bold]rl step {m['step']:>5}[/] reward {m['reward']:.3f} "
-                f"invalid-calls {m['invalid_call_rate']:.3f} hints {m['hint_spans']:>3} "
-                f"kl {m['hint_kl_mean']:.4f} loss {m.get('loss', 0.0):+.4f} "
-                f"({m['step_time_s']:.2f}s)"
-            )
-
-    return show
+def _progress_line(m: dict) -> str:
+    return (
+        f"rl step {m['step']:>5} reward {m['reward']:.3f} "
+        f"invalid-calls {m['invalid_call_rate']:.3f} hints {m['hint_spans']:>3} "
+        f"kl {m['hint_kl_mean']:.4f} loss {m.get('loss', 0.0):+.4f}"
+    )
 
 
 def run_rl_job(
@@ -269,13 +235,18 @@ def run_rl_job(
     trainer = RLTrainer(cfg, model, env)
     if resuming:
         trainer.load_checkpoint()
-    show = None if quiet else _print_step(cfg)
+    if quiet:
+        trainer.run(cfg.train.steps, on_step=on_step)
+        return trainer
+    every = max(cfg.train.log_every, 1)
+    with Progress(cfg.train.steps, trainer.step, every, description="rl") as progress:
 
-    def each(m: dict) -> None:
-        if show is not None:
-            show(m)
-        if on_step is not None:
-            on_step(m)
+        def each(m: dict) -> None:
+            progress.update(m["step"], m.get("loss", 0.0), m["episode_tokens"] / m["step_time_s"])
+            if m["step"] % every == 0:
+                progress.print(_progress_line(m))
+            if on_step is not None:
+                on_step(m)
 
-    trainer.run(cfg.train.steps, on_step=each)
+        trainer.run(cfg.train.steps, on_step=each)
     return trainer
