@@ -124,7 +124,9 @@ class ToyEnv:
     def feedback_context(self, task: ToyTask) -> FeedbackContext:
         return FeedbackContext(tools=dict(TOOL_SPECS))
 
-    def render_hint(self, text: str) -> list[int]:
+    def render_hint(self, text: str, episode: Episode, turn_index: int) -> list[int]:
+        """Hint tokens for the boundary before `turn_index` (a chat template may need the
+        history; this word-level format does not)."""
         return render_hint(text)
 
     @torch.no_grad()

@@ -36,13 +36,14 @@ from cadenza.log.progress import Progress
 from cadenza.rl.feedback import FeedbackContext, annotate, build_providers
 from cadenza.rl.feedback_loss import empty_hint_self_test
 from cadenza.rl.objective import episode_metrics, rl_objective
+from cadenza.rl.rollout import Environment
 from cadenza.rl.teacher import Teacher
 from cadenza.train.pretrain import Interrupted, StopSignals
 
 CKPT_NAME = "rl_checkpoint.pt"
 
 
-def build_env(cfg: Config):
+def build_env(cfg: Config) -> Environment:
     if cfg.rl.env == "toy":
         from cadenza.rl.toy_env import ToyEnv
 
@@ -53,7 +54,7 @@ def build_env(cfg: Config):
     )
 
 
-def build_policy(cfg: Config, env) -> nn.Module:
+def build_policy(cfg: Config, env: Environment) -> nn.Module:
     """A fresh policy for the environment, warmed up (deterministic for train.seed)."""
     if cfg.rl.env == "toy":
         from cadenza.rl.toy_env import ToyPolicy, warmup
@@ -83,7 +84,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config, model: nn.Module, env, optimizer=None):
+    def __init__(self, cfg: Config, model: nn.Module, env: Environment, optimizer=None):
         self.cfg = cfg
         self.rl = cfg.rl
         self.model = model
@@ -112,7 +113,9 @@ class RLTrainer:
                 for k, v in ctx.errors.items():
                     errors[k] = errors.get(k, 0) + v
                 if found:
-                    hints[(gi, ei)] = [(h, self.env.render_hint(h.text)) for h in found]
+                    hints[(gi, ei)] = [
+                        (h, self.env.render_hint(h.text, ep, h.turn_index)) for h in found
+                    ]
         return hints, {"hints_dropped": dropped, "provider_errors": errors}
 
     def train_step(self) -> dict:
