@@ -16,7 +16,12 @@ always detached: gradients flow into the student only.
   gradient stopgrad(d_i) * grad log p(y_i) is, in expectation over y_i ~ p, exactly
   grad D(p || q) (the score-function identity, using E_p[grad log p] = 0). It costs one
   logprob per token instead of a vocabulary-wide sum; its value is not the KL, so the
-  diagnostics report mean d_i instead.
+  diagnostics report mean d_i instead. Caveat: unbiasedness needs y_i ~ p unconditionally.
+  Spans chosen BECAUSE the sampled turn was wrong (an unknown tool) only ever push the
+  sampled token down, and the freed mass can flow to tokens nobody sampled yet: in the toy
+  ablation (bench/feedback.py) this estimator drove the invalid-call rate to ~100%, while
+  the full-vocabulary reverse KL, which also pulls the teacher's preferred tokens up,
+  converged. Prefer `reverse_kl` (or `topk_jsd`) for error-targeted hints.
 
 The combined objective keeps separate normalizers so a short hinted span is not drowned by a
 long trajectory: L = L_RL / N_RL + lambda * L_KL / N_hint (see `combine`).
