@@ -73,7 +73,7 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     if cfg.rl.optimizer == "muon":
         from cadenza.optim import build_optimizer as build_muon
 
-        return build_muon(model, cfg.optim)
+        return build_muon(model, cfg)
     raise ValueError(f"rl.optimizer: expected 'adamw' or 'muon', found {cfg.rl.optimizer!r}")
 
 
