@@ -65,6 +65,9 @@ def run(argv: list[str]) -> dict:
         f"rl.warmup_steps={a.warmup_steps}",
         f"rl.feedback.kl_coef={a.kl_coef}",
         f"rl.feedback.estimator={a.estimator}",
+        # the toy policy was taught to follow only this hint; a hint a model cannot use makes
+        # a teacher that is no better than the student (and self-distilling it is harmful)
+        "rl.feedback.providers=[unknown_tool]",
     ]
     cfg = load_config("tiny", base)
     env = build_env(cfg)

@@ -17,6 +17,9 @@ class FeedbackConfig:
     estimator: str = "reverse_kl"  # "reverse_kl" | "topk_jsd" | "sampled"
     topk: int = 16  # for topk_jsd
     margin: float = 0.0  # keep spans whose teacher gain (mean log p - log q) >= margin; 0: all
+    # end each span at the first token the teacher finds divergence_margin nats less likely
+    truncate_at_divergence: bool = True
+    divergence_margin: float = 1.0
     teacher: str = "current"  # "current" | "ema" | "frozen"
     ema_decay: float = 0.99
     max_message_chars: int = 4000

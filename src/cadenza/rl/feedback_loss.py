@@ -45,6 +45,12 @@ def prepare_spans(
     return out
 
 
+def first_divergence(lp: Tensor, lq: Tensor, margin: float) -> int | None:
+    """Index of the first token with log p(y) - log q(y) > margin, or None."""
+    hits = ((lp - lq) > margin).nonzero()
+    return int(hits[0, 0]) if len(hits) else None
+
+
 def span_loss(
     student_logits: Tensor,
     episode: Episode,
@@ -55,8 +61,16 @@ def span_loss(
     estimator: str = "reverse_kl",
     topk: int = 16,
     margin: float = 0.0,
+    divergence_margin: float | None = None,
 ) -> tuple[Tensor | None, int]:
-    """(sum of divergence terms, tokens) of one hinted span; (None, 0) if filtered/failed."""
+    """(sum of divergence terms, tokens) of one hinted span; (None, 0) if filtered/failed.
+
+    With `divergence_margin`, the span ends at the first token the teacher finds much less
+    likely than the student (log p(y_i) - log q(y_i) > margin): past that token the student
+    has committed to something the hinted teacher would not have done, so the teacher's
+    predictions are conditioned on a prefix it would never produce and are no target (in the
+    toy ablation, distilling them taught the policy to write a tool name as the argument).
+    """
     if q is None:
         stats.skipped["forward_error"] += 1
         return None, 0
@@ -65,6 +79,10 @@ def span_loss(
     with torch.no_grad():
         lp = F.log_softmax(p.float(), -1).gather(-1, y[:, None])[:, 0]
         lq = F.log_softmax(q.float(), -1).gather(-1, y[:, None])[:, 0]
+    if divergence_margin is not None:
+        cut = first_divergence(lp, lq, divergence_margin)
+        if cut is not None:
+            p, q, y, lp, lq = p[: cut + 1], q[: cut + 1], y[: cut + 1], lp[: cut + 1], lq[: cut + 1]
     keep, gain = teacher_prefers_other(lp.tolist(), lq.tolist(), margin)
     if not keep and margin > 0:
         stats.skipped["no_margin"] += 1
@@ -94,6 +112,7 @@ def hint_loss(
     topk: int = 16,
     margin: float = 0.0,
     max_len: int | None = None,
+    divergence_margin: float | None = None,
 ) -> tuple[Tensor, int]:
     """(sum of per-token divergence terms, number of hinted tokens) for one episode.
 
@@ -105,7 +124,18 @@ def hint_loss(
     spans = prepare_spans(episode, hints, hint_ids, stats, max_len)
     qs = teacher_logits(teacher_model, [t for _, t in spans])
     for (hint, t_in), q in zip(spans, qs):
-        s, n = span_loss(student_logits, episode, hint, t_in, q, stats, estimator, topk, margin)
+        s, n = span_loss(
+            student_logits,
+            episode,
+            hint,
+            t_in,
+            q,
+            stats,
+            estimator,
+            topk,
+            margin,
+            divergence_margin,
+        )
         if s is not None:
             total, n_tokens = total + s, n_tokens + n
     return total, n_tokens

@@ -156,7 +156,16 @@ def rl_objective(
                     qs[j] = q
         for (k, hint, t_in), q in zip(spans, qs):
             s, n = span_loss(
-                logits[k], chosen[k], hint, t_in, q, stats, fb.estimator, fb.topk, fb.margin
+                logits[k],
+                chosen[k],
+                hint,
+                t_in,
+                q,
+                stats,
+                fb.estimator,
+                fb.topk,
+                fb.margin,
+                fb.divergence_margin if fb.truncate_at_divergence else None,
             )
             if s is not None:
                 kl_sum, n_hint = kl_sum + s, n_hint + n
