@@ -214,3 +214,24 @@ def test_causal_lm_empty_hint_self_test(estimator):
         "kl": 0.0,
         "grad": 0.0,
     }
+
+
+def test_span_ends_at_first_teacher_divergent_token():
+    from cadenza.rl.feedback_loss import first_divergence, span_loss
+    from cadenza.rl.kl import reverse_kl
+
+    lp = torch.tensor([-0.1, -0.2, -0.1])
+    assert first_divergence(lp, torch.tensor([-0.5, -3.0, -9.0]), 1.0) == 1
+    assert first_divergence(lp, lp, 1.0) is None
+    ep = _episode()  # turn 2: sampled tokens at 6 (id 7) and 7 (id 8)
+    t_in = build_teacher_input(ep, 2, [11])
+    student = torch.zeros(14, V, requires_grad=True)
+    q = torch.zeros(2, V)
+    q[0, 7] = -5.0  # the teacher rejects the student's first token ...
+    q[1, 2] = 9.0  # ... and, conditioned on it, predicts garbage next
+    stats = TeacherStats()
+    s, n = span_loss(student, ep, Hint(2, "h", "p"), t_in, q, stats, divergence_margin=1.0)
+    assert n == 1  # the second token is not distilled
+    assert s.item() == pytest.approx(reverse_kl(student[5:6], q[:1]).item(), rel=1e-6)
+    s_all, n_all = span_loss(student, ep, Hint(2, "h", "p"), t_in, q, TeacherStats())
+    assert n_all == 2
