@@ -12,9 +12,15 @@ a seeded `random.Random` whose state is checkpointed, so a run resumed from the 
 step s continues exactly as the uninterrupted run (same metrics, same weights).
 
 Checkpoints (model, optimizer, teacher/reference copies, RNG states, step) are written every
-`train.ckpt_every` steps, at the end, and on SIGTERM (after the step in flight), atomically
-(temp file, then rename). Metrics are one JSON line per step in `out_dir/metrics.jsonl`; on
-resume, lines past the checkpoint are dropped so the file reads as one uninterrupted run.
+`train.ckpt_every` steps and at the end to `out_dir/rl_checkpoint.pt`, atomically (temp file,
+then rename). SIGTERM/SIGINT finish the step in flight, checkpoint, and raise
+`cadenza.train.pretrain.Interrupted` (the CLI exits 128 + signal). Metrics are one JSON line
+per step in `out_dir/metrics.jsonl` (cadenza.log.metrics); on resume, lines past the
+checkpoint are dropped so the file reads as one uninterrupted run.
+
+The checkpoint is a single torch file rather than cadenza.train.checkpoint's Hugging Face
+directory because the toy policy is not a CausalLM (that format needs save_pretrained and a
+tokenizer); the agent environment with a CausalLM policy should use the shared format.
 """
 
 from __future__ import annotations
