@@ -44,7 +44,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=32, help="tasks per step")
     p.add_argument("--group", type=int, default=8, help="episodes per task (G)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--kl-coef", type=float, default=1.0)
+    p.add_argument("--kl-coef", type=float, default=4.0)
     p.add_argument("--estimator", default="reverse_kl")
     p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--threshold", type=float, default=0.01)
