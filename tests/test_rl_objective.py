@@ -94,9 +94,11 @@ def test_hinted_episode_in_dropped_group_still_gets_kl():
 
 
 def test_steps_to_threshold():
-    assert steps_to_threshold([0.5, 0.0, 0.02, 0.0, 0.0], 0.01) == 3
+    assert steps_to_threshold([0.5, 0.0, 0.02, 0.0, 0.0], 0.01, min_window=2) == 3
     assert steps_to_threshold([0.0, 0.0], 0.01) == 0
     assert steps_to_threshold([0.0, 0.3], 0.01) is None
+    assert steps_to_threshold([0.5] * 20 + [0.0] * 5, 0.01) is None  # a dip at the very end
+    assert steps_to_threshold([0.5] * 20 + [0.0] * 10, 0.01) == 20
 
 
 def _read_png(path):

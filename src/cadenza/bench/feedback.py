@@ -6,7 +6,8 @@ memory most of the time. Both arms start from the same warmed-up weights and see
 tasks and sampling seeds; they differ only in `rl.feedback.enabled`.
 
 Figures per arm: `steps_to_threshold` (first step from which the invalid-call rate stays below
-the threshold, 1% by default, until the end of the run; null if never) and `final_reward`
+the threshold, 1% by default, until the end of the run, with at least 10 steps left to show
+it; null if never) and `final_reward`
 (mean reward over the last 10 steps); `final_invalid_call_rate` likewise. The baseline is the RL-only arm; the ratio printed is
 steps_to_threshold(rl_only) / steps_to_threshold(rl_feedback). The plot (PNG, no text):
 top panel invalid-call rate (0 to 0.5, gray line at the threshold), bottom panel reward
@@ -27,14 +28,18 @@ from cadenza.log.png import line_plot
 from cadenza.train.rl_trainer import RLTrainer, build_env, build_policy
 
 
-def steps_to_threshold(rates: list[float], threshold: float) -> int | None:
-    """First step s with rates[t] < threshold for every t >= s; None if the last is not."""
+def steps_to_threshold(rates: list[float], threshold: float, min_window: int = 10) -> int | None:
+    """First step s with rates[t] < threshold for every t >= s, None if there is none or if
+    fewer than `min_window` steps follow s (a dip in the last few steps of a run is not
+    "stays below")."""
     first = None
     for s, r in enumerate(rates):
         if r < threshold:
             first = s if first is None else first
         else:
             first = None
+    if first is None or len(rates) - first < min(min_window, len(rates)):
+        return None
     return first
 
 
