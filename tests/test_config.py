@@ -52,3 +52,15 @@ def test_unknown_preset_and_missing_file(tmp_path):
 
 def test_parse_overrides_nesting():
     assert parse_overrides(["a.b=1", "a.c=x", "d=true"]) == {"a": {"b": 1, "c": "x"}, "d": True}
+
+
+def test_fixed_length_tuple_fields():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Betas:
+        betas: tuple[float, int] = (0.9, 1)
+
+    assert from_dict(Betas, {"betas": ["0.5", 3]}).betas == (0.5, 3)
+    with pytest.raises(ConfigError, match="expected 2 items"):
+        from_dict(Betas, {"betas": [1.0]})

@@ -105,3 +105,15 @@ def test_qk_clip_off_by_default_on_in_k2():
 
     assert load_config("tiny").optim.qk_clip is False
     assert load_config("k2").optim.qk_clip is True
+
+
+def test_running_max_over_micro_batches():
+    """With gradient accumulation every micro-batch's logits count, not only the last one's."""
+    model = _model(64)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 24))
+    _force_head(model, layer=0, head=2, ids=ids, target=3 * TAU)
+    with torch.no_grad():
+        model(ids)  # micro-batch 1: head 2 far above tau
+        model(ids[:1, :3])  # micro-batch 2 (last): shorter, other logits
+    assert apply_qk_clip(model, TAU).clipped_heads >= 1
+    assert float(_max_logits(model, ids)[0][2]) <= TAU * (1 + 1e-5)

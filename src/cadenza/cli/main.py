@@ -14,13 +14,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cadenza.cli import bench, config_cmd, model, tokenizer, train
+    from cadenza.cli import bench, config_cmd, model, sandbox, tokenizer, train
 
     app.command("train", context_settings={"allow_extra_args": False})(train.train)
     app.add_typer(config_cmd.app, name="config")
     app.command("bench")(bench.bench)
     app.add_typer(model.app, name="model")
     app.add_typer(tokenizer.app, name="tokenizer")
+    app.add_typer(sandbox.app, name="sandbox")
 
 
 _register()

@@ -63,7 +63,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if origin is tuple and args:
             if len(args) != len(value):
                 raise ConfigError(f"{path}: expected {len(args)} items, found {len(value)}")
-            return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+            return tuple(_coerce(v, a, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         inner = args[0] if args else Any
         out = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out

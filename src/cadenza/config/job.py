@@ -12,7 +12,9 @@ from pathlib import Path
 from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_overrides, to_dict
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
 from cadenza.config.optim import OptimConfig
+from cadenza.config.parallel import ParallelConfig
 from cadenza.config.rl import RLConfig
+from cadenza.config.sandbox import SandboxConfig
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
 

@@ -39,6 +39,9 @@ class OptimConfig:
     qk_clip_tau: float = 100.0
     # A NaN/inf gradient: "error" stops with the parameter names, "skip" skips the step and counts it.
     nonfinite: Literal["error", "skip"] = "error"
+    # Sharded Muon (parameters sharded by cadenza.parallel): elements per all-to-all bucket;
+    # extra memory is about 3x this per bucket in flight (two in flight).
+    bucket_numel: int = 1 << 22
 
     def __post_init__(self) -> None:
         problems = []

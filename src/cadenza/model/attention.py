@@ -88,6 +88,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, dim, bias=bias)
         self.record_max_logit = False
         self.max_logit: torch.Tensor | None = None
+        # Injection point for context parallelism (set from outside, e.g. cadenza.parallel):
+        # kv_gather(c_kv, k_pe, mask) -> (c_kv, k_pe, mask) over the whole sequence.
+        self.kv_gather = None
 
     def param_units(self) -> dict[str, Units]:
         h = self.num_heads
@@ -130,6 +133,8 @@ class Attention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, self.interleave)
         if cache is not None:
             c_kv, k_pe = cache.update(c_kv, k_pe)
+        elif self.kv_gather is not None:
+            c_kv, k_pe, mask = self.kv_gather(c_kv, k_pe, mask)
         S = c_kv.shape[1]
 
         kv = self.kv_b_proj(c_kv).view(B, S, self.num_heads, self.nope_dim + self.v_dim)

@@ -30,6 +30,7 @@ class Units:
     sizes: tuple[int, ...] = ()  # rows/cols: block sizes along that dim, in order
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         if self.kind not in ("matrix", "rows", "cols", "experts", "adamw"):
             raise ValueError(f"unknown unit kind {self.kind!r}")
         if self.kind in ("rows", "cols") and not self.sizes:

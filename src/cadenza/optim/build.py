@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from cadenza.config.job import Config
 from cadenza.config.optim import OptimConfig
@@ -18,6 +20,11 @@ from cadenza.model.units import param_units
 from cadenza.optim.muon import Muon, nonfinite_names
 from cadenza.optim.qk_clip import QKClipStats, apply_qk_clip, enable_max_logit
 from cadenza.optim.schedule import lr_factor
+from cadenza.optim.sharded import ShardedMuon
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ModelOptimizer:
@@ -34,9 +41,15 @@ class ModelOptimizer:
                 (decay if p.ndim >= 2 else no_decay).append((name, p))
             else:
                 muon.append((name, p, units))
+        # Parameters sharded by cadenza.parallel (DTensors) get the sharded optimizer, which
+        # equals Muon on the full tensors.
+        sharded = any(isinstance(p, DTensor) for _, p, _ in muon)
+        muon_cls = ShardedMuon if sharded else Muon
+        extra = {"bucket_numel": cfg.bucket_numel} if sharded else {}
         self.muon = (
-            Muon(
+            muon_cls(
                 muon,
+                **extra,
                 lr=cfg.lr,
                 momentum=cfg.momentum,
                 nesterov=cfg.nesterov,
@@ -117,7 +130,17 @@ class ModelOptimizer:
             for n, p in zip(g["param_names"], g["params"])
             if p.grad is not None
         ]
-        bad = nonfinite_names(named)
+        bad = nonfinite_names([(n, _local(g)) for n, g in named])
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and any(isinstance(g, DTensor) for _, g in named)
+        ):
+            # Every rank must take the same decision, whichever rank saw the bad value.
+            flag = torch.tensor([float(bool(bad))])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not bad:
+                bad = ["(a parameter shard on another rank)"]
         if bad:
             if self.cfg.nonfinite == "skip":
                 self.skipped_steps += 1

@@ -15,6 +15,13 @@ stacked and orthogonalized in one batched call per shape per step.
 The functional core (`muon_direction`, `unit_scale`, `muon_unit_update`, `unit_views`) is
 what the sharded optimizer reuses; `Muon` only keeps the momentum buffers and does the
 bookkeeping of gathering unit views into stacks and writing results back.
+
+Reproducing these results bit for bit elsewhere (e.g. with sharded parameters): momentum and
+V are elementwise (`lerp` as in `muon_direction`, on any shard); each unit's V is cast to the
+NS dtype, transposed if tall, and orthogonalized by `newton_schulz_` in any batch (on CPU the
+result does not depend on the batch's other members, which tests check; GPU batched GEMMs may
+pick other kernels for other batch sizes); then W <- W * (1 - lr wd) on the whole parameter,
+and W_U.add_(O_U, alpha=-lr * unit_scale(r, c)) with O_U still in the NS dtype.
 """
 
 from __future__ import annotations
@@ -250,6 +257,11 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group, units in zip(self.param_groups, current):
             group["units"] = units
+            # A torch.optim.Muon checkpoint names the lr rule adjust_lr_fn and lacks ns_dtype.
+            if "adjust_lr" not in group and "adjust_lr_fn" in group:
+                group["adjust_lr"] = group["adjust_lr_fn"] or "original"
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         self.skipped_steps = skipped
 
     @staticmethod

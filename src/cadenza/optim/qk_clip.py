@@ -50,12 +50,26 @@ def mla_row_scales(
     return q.reshape(-1), kv.reshape(-1)
 
 
+def _track_max(module: nn.Module, args, output) -> None:
+    m = getattr(module, "max_logit", None)
+    if isinstance(m, Tensor):
+        prev = getattr(module, "qk_clip_max", None)
+        module.qk_clip_max = m if prev is None else torch.maximum(prev, m)
+
+
 def enable_max_logit(model: nn.Module) -> int:
-    """Turn on max-logit recording in every attention module; returns how many."""
+    """Turn on max-logit recording in every attention module; returns how many.
+
+    A forward hook keeps the running max since the last clip in `qk_clip_max`, so with
+    gradient accumulation every micro-batch counts, not only the last one.
+    """
     n = 0
     for m in model.modules():
         if hasattr(m, "record_max_logit"):
             m.record_max_logit = True
+            if not getattr(m, "_qk_clip_hooked", False):
+                m.register_forward_hook(_track_max)
+                m._qk_clip_hooked = True
             n += 1
     return n
 
@@ -73,15 +87,19 @@ def _head_parts(units: Units, name: str, heads: int) -> tuple[int, int]:
 def apply_qk_clip(model: nn.Module, tau: float = 100.0) -> QKClipStats:
     """Rescale q/k weights of every head whose recorded max logit exceeds `tau`.
 
-    Consumes each module's `max_logit` (sets it to None) so a stale value is never applied
-    twice; the next forward records a fresh one.
+    Uses the running max since the last clip (`qk_clip_max`, see `enable_max_logit`), else the
+    last recorded `max_logit`, and consumes it (sets it to None) so a stale value is never
+    applied twice.
     """
     top, clipped = float("-inf"), 0
     for mname, module in model.named_modules():
-        max_logit = getattr(module, "max_logit", None)
+        max_logit = getattr(module, "qk_clip_max", None)
+        if max_logit is None:
+            max_logit = getattr(module, "max_logit", None)
         if not isinstance(max_logit, Tensor):
             continue
         module.max_logit = None
+        module.qk_clip_max = None
         top = max(top, float(max_logit.max()))
         gamma = clip_gammas(max_logit, tau)
         n = int((gamma < 1).sum())

@@ -1,1 +1,28 @@
-"""cadenza.parallel"""
+"""cadenza.parallel: dual-mesh HSDP with expert and context parallelism, applied from outside.
+
+meshes = init_distributed(cfg.parallel, n_routed_experts=...)  # or build_meshes(...)
+model = parallelize(model, cfg.parallel, meshes)
+"""
+
+from cadenza.parallel.grad import clip_grad_norm_, global_token_count
+from cadenza.parallel.mesh import LayoutError, Meshes, build_meshes, check_layout, describe
+from cadenza.parallel.parallelize import (
+    init_distributed,
+    parallelize,
+    shard_batch,
+    sync_expert_loads,
+)
+
+__all__ = [
+    "LayoutError",
+    "Meshes",
+    "build_meshes",
+    "check_layout",
+    "clip_grad_norm_",
+    "describe",
+    "global_token_count",
+    "init_distributed",
+    "parallelize",
+    "shard_batch",
+    "sync_expert_loads",
+]
