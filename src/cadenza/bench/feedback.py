@@ -54,6 +54,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--threshold", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="gru", choices=["gru", "causal_lm"])
     p.add_argument("--png", default="runs/bench_feedback.png")
     return p.parse_args(argv)
 
@@ -68,6 +69,7 @@ def run(argv: list[str]) -> dict:
         f"rl.group_size={a.group}",
         f"rl.lr={a.lr}",
         f"rl.warmup_steps={a.warmup_steps}",
+        f"rl.policy={a.policy}",
         f"rl.feedback.kl_coef={a.kl_coef}",
         f"rl.feedback.estimator={a.estimator}",
         # the toy policy was taught to follow only this hint; a hint a model cannot use makes
@@ -132,7 +134,10 @@ def run(argv: list[str]) -> dict:
     def fmt(s):
         return "never" if s is None else str(s)
 
-    print(f"toy tool-use task, {a.tasks}x{a.group} episodes/step, {a.steps} steps, lr {a.lr}")
+    print(
+        f"toy tool-use task, {a.policy} policy, {a.tasks}x{a.group} episodes/step, "
+        f"{a.steps} steps, lr {a.lr}, kl coef {a.kl_coef}"
+    )
     print(
         f"{'arm':<14}{'steps<' + str(a.threshold):>12}{'final reward':>14}"
         f"{'invalid@0':>11}{'invalid@end':>13}"

@@ -38,7 +38,8 @@ class FeedbackConfig:
 
 @dataclass
 class RLConfig:
-    env: str = "toy"  # "toy" (synthetic tool-use task) | "agent" (the agent harness on tasks)
+    env: str = "toy"  # "toy" (synthetic tool-use task); the agent harness is not wired yet
+    policy: str = "gru"  # toy env: "gru" (ToyPolicy) | "causal_lm" (a micro cadenza CausalLM)
     group_size: int = 8  # G episodes per task
     tasks_per_step: int = 8
     normalize_std: bool = True  # False: Dr.GRPO advantages
@@ -58,6 +59,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _check("rl.env", self.env, ("toy",))
+        _check("rl.policy", self.policy, ("gru", "causal_lm"))
         _check("rl.optimizer", self.optimizer, ("adamw", "muon"))
         _check("rl.aggregation", self.aggregation, ("token-mean", "seq-mean", "constant"))
         if self.aggregation == "constant" and self.max_tokens <= 0:

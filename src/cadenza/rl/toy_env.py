@@ -84,6 +84,32 @@ class ToyPolicy(nn.Module):
         return self.head(self.rnn(self.emb(ids))[0])
 
 
+def micro_causal_lm() -> nn.Module:
+    """cadenza's DeepSeek-V3-style CausalLM (MLA, MoE) at a size the toy task trains fast."""
+    from cadenza.config.model import ModelConfig
+    from cadenza.model import CausalLM
+
+    cfg = ModelConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    return CausalLM(cfg)
+
+
 @dataclass
 class ToyTask:
     task_id: str

@@ -63,10 +63,10 @@ def build_env(cfg: Config) -> Environment:
 def build_policy(cfg: Config, env: Environment) -> nn.Module:
     """A fresh policy for the environment, warmed up (deterministic for train.seed)."""
     if cfg.rl.env == "toy":
-        from cadenza.rl.toy_env import ToyPolicy, warmup
+        from cadenza.rl.toy_env import ToyPolicy, micro_causal_lm, warmup
 
         torch.manual_seed(cfg.train.seed)
-        model = ToyPolicy()
+        model = ToyPolicy() if cfg.rl.policy == "gru" else micro_causal_lm()
         if cfg.rl.warmup_steps > 0:
             warmup(model, steps=cfg.rl.warmup_steps, seed=cfg.train.seed)
         return model
