@@ -131,3 +131,27 @@ def test_bench_feedback_smoke(tmp_path):
     w, h, raw = _read_png(png)
     assert (w, h) == (640, 480)
     assert len(set(raw)) > 2  # something was drawn
+
+
+def test_one_feedback_step_with_the_cadenza_model(tmp_path):
+    from cadenza.config import load_config
+    from cadenza.train.rl_trainer import RLTrainer, build_env, build_policy
+
+    cfg = load_config(
+        "tiny",
+        [
+            "train.mode=rl",
+            "rl.policy=causal_lm",
+            "rl.warmup_steps=0",
+            "rl.tasks_per_step=4",
+            "rl.group_size=4",
+            f"train.out_dir={tmp_path}",
+        ],
+    )
+    env = build_env(cfg)
+    trainer = RLTrainer(cfg, build_policy(cfg, env), env)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    m = trainer.train_step()
+    assert m["self_test"] == {"kl": 0.0, "grad": 0.0}
+    assert m["hint_spans"] > 0 and m["hint_skipped"] == {}
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
