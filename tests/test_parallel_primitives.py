@@ -81,33 +81,42 @@ class ToyExperts(nn.Module):
         return torch.cat(outs)
 
 
-def _rank_tokens(rank: int, e: int, h: int):
+def _rank_tokens(rank: int, e: int, h: int, skewed: bool):
+    """Uneven token counts; odd experts get none. Skewed: rank 0 sends nothing and every
+    token goes to experts 0 and 2, so the second rank of each ep group receives nothing."""
     g = torch.Generator().manual_seed(100 + rank)
-    n = 3 + 2 * rank
+    n = 2 * rank if skewed else 3 + 2 * rank
     x = torch.randn(n, h, generator=g)
-    expert = torch.randint(0, e // 2, (n,), generator=g) * 2  # odd experts get no tokens
+    expert = torch.randint(0, 2 if skewed else e // 2, (n,), generator=g) * 2
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=e)
     w = torch.randn(n, h, generator=g)
     return x[order], counts, w
 
 
-def _expert_parallel_case(rank, ws):
+def _maxerr(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def _expert_parallel_case(rank, ws, skewed):
+    """The model's own Experts (grouped matmuls) wrapped for EP vs a plain per-expert loop."""
+    from cadenza.model.moe import Experts
     from cadenza.parallel.expert_parallel import ExpertParallel
     from cadenza.parallel.mesh import build_meshes
 
-    e, h, i = 8, 6, 5
+    e, h, i = 8, 8, 4
     meshes = build_meshes(ws, dense=dict(shard=ws), expert=dict(replicate=2, ep=ws // 2))
     ep_mesh = meshes.expert["ep"]
     torch.manual_seed(0)
     full = ToyExperts(e, h, i)
-    ep_mod = ExpertParallel(ToyExperts(e, h, i).requires_grad_(True), ep_mesh)
+    ep_mod = ExpertParallel(Experts(e, h, i), ep_mesh)
     with torch.no_grad():
         for n in ("w_gate", "w_up", "w_down"):
             getattr(ep_mod, n).to_local().copy_(
                 getattr(full, n).chunk(ep_mesh.size())[ep_mesh.get_local_rank()]
             )
-    x, counts, w = _rank_tokens(rank, e, h)
+    x, counts, w = _rank_tokens(rank, e, h, skewed)
     x = x.requires_grad_(True)
     y = ep_mod(x, counts)
     (y * w).sum().backward()
@@ -118,16 +127,16 @@ def _expert_parallel_case(rank, ws):
     group = ep_mesh.mesh.tolist()
     for r in group:
         if r != rank:
-            xr, cr, wr = _rank_tokens(r, e, h)
+            xr, cr, wr = _rank_tokens(r, e, h, skewed)
             (full(xr, cr) * wr).sum().backward()
         else:
             (full(x.detach(), counts) * w).sum().backward()
     lo = ep_mesh.get_local_rank() * (e // ep_mesh.size())
-    errs = {"y": (y - y_ref).abs().max().item(), "x.grad": (x.grad - x_ref.grad).abs().max().item()}
+    errs = {"y": _maxerr(y, y_ref), "x.grad": _maxerr(x.grad, x_ref.grad)}
     for n in ("w_gate", "w_up", "w_down"):
         got = getattr(ep_mod, n).grad.to_local()
         want = getattr(full, n).grad[lo : lo + e // ep_mesh.size()]
-        errs[n] = (got - want).abs().max().item()
+        errs[n] = _maxerr(got, want)
     return errs
 
 
@@ -175,7 +184,11 @@ def _context_parallel_case(rank, ws):
 
 
 def _primitives(rank, ws):
-    return {"ep": _expert_parallel_case(rank, ws), "cp": _context_parallel_case(rank, ws)}
+    return {
+        "ep": _expert_parallel_case(rank, ws, skewed=False),
+        "ep, empty ranks": _expert_parallel_case(rank, ws, skewed=True),
+        "cp": _context_parallel_case(rank, ws),
+    }
 
 
 @pytest.mark.distributed
@@ -218,3 +231,36 @@ def test_invalid_layout_fails_on_every_rank_before_any_collective():
         match=r"ranks \[\d, \d, \d\] failed too[\s\S]*expert: replicate x shard x ep",
     ):
         run_distributed(_bad_layout, 4, timeout=60, grace=20)
+
+
+def test_clip_grad_norm_matches_torch_on_plain_tensors():
+    from cadenza.parallel import clip_grad_norm_, global_token_count
+
+    a = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    got = clip_grad_norm_(a, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(b, 0.5)
+    assert torch.allclose(got, want)
+    for p, q in zip(a, b):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    assert global_token_count(17) == 17  # one process: nothing to sum
+
+
+def test_cli_plan_prints_groups_and_rejects_bad_layouts():
+    from typer.testing import CliRunner
+
+    from cadenza.cli.main import app
+
+    def plan(*args):
+        return CliRunner().invoke(app, ["parallel", "plan", *args])
+
+    ok = plan("8", "parallel.shard=4", "parallel.cp=2", "parallel.ep=8", "parallel.expert_shard=1")
+    assert ok.exit_code == 0, ok.output
+    assert "cp             [[0, 1], [2, 3], [4, 5], [6, 7]]" in ok.output
+    assert "ep             [[0, 1, 2, 3, 4, 5, 6, 7]]" in ok.output
+    bad = plan("8", "parallel.ep=16", "parallel.expert_shard=1")
+    assert bad.exit_code == 2
+    assert "expert: replicate x shard x ep = world size" in bad.output

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from test_parallel_layouts import tiny_cadenza_model
 
 # Layouts of the dual-mesh tests (8 experts) plus awkward shapes (6 experts, odd dims).
 LAYOUTS_8 = {
@@ -64,25 +65,7 @@ def _model(awkward: bool):
             first_k_dense_replace=1,
         )
     else:
-        cfg = ModelConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-        )
+        return tiny_cadenza_model()  # the dual-mesh tests' model
     return CausalLM(cfg)
 
 

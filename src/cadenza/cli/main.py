@@ -14,7 +14,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cadenza.cli import bench, config_cmd, model, sandbox, tokenizer, train
+    from cadenza.cli import bench, config_cmd, model, parallel, sandbox, tokenizer, train
 
     app.command("train", context_settings={"allow_extra_args": False})(train.train)
     app.add_typer(config_cmd.app, name="config")
@@ -22,6 +22,7 @@ def _register() -> None:
     app.add_typer(model.app, name="model")
     app.add_typer(tokenizer.app, name="tokenizer")
     app.add_typer(sandbox.app, name="sandbox")
+    app.add_typer(parallel.app, name="parallel")
 
 
 _register()

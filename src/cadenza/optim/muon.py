@@ -136,6 +136,50 @@ def nonfinite_names(named_grads: list[tuple[str, Tensor]]) -> list[str]:
     ]
 
 
+def muon_defaults(
+    who: str,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    adjust_lr: AdjustLR | None,
+    ns_steps: int,
+    ns_coefficients: Coefficients | tuple[float, float, float],
+    ns_dtype: torch.dtype | str,
+    eps: float,
+    nonfinite: NonFinite,
+) -> dict[str, Any]:
+    """Validated hyperparameters of a Muon optimizer (`who` names it in errors), as the
+    param-group defaults both `Muon` and the sharded optimizer store."""
+    if float(lr) < 0:
+        raise ValueError(f"{who}: lr must be >= 0, found {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"{who}: momentum must be in [0, 1), found {momentum}")
+    if weight_decay < 0:
+        raise ValueError(f"{who}: weight_decay must be >= 0, found {weight_decay}")
+    unit_scale(1, 1, adjust_lr)  # validates the name
+    if not 0 <= ns_steps < 100:
+        raise ValueError(f"{who}: ns_steps must be in [0, 100), found {ns_steps}")
+    if nonfinite not in ("error", "skip", "ignore"):
+        raise ValueError(
+            f"{who}: nonfinite must be 'error', 'skip' or 'ignore', found {nonfinite!r}"
+        )
+    if isinstance(ns_dtype, torch.dtype):
+        ns_dtype = str(ns_dtype).removeprefix("torch.")
+    resolve_dtype(ns_dtype)
+    return dict(
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        adjust_lr=adjust_lr,
+        ns_steps=ns_steps,
+        ns_coefficients=ns_coefficients,
+        ns_dtype=ns_dtype,
+        eps=eps,
+    )
+
+
 # ---------------------------------------------------------------- stateful shell
 
 
@@ -167,32 +211,18 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-7,
         nonfinite: NonFinite = "error",
     ) -> None:
-        if float(lr) < 0:
-            raise ValueError(f"Muon: lr must be >= 0, found {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Muon: momentum must be in [0, 1), found {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"Muon: weight_decay must be >= 0, found {weight_decay}")
-        unit_scale(1, 1, adjust_lr)  # validates the name
-        if not 0 <= ns_steps < 100:
-            raise ValueError(f"Muon: ns_steps must be in [0, 100), found {ns_steps}")
-        if nonfinite not in ("error", "skip", "ignore"):
-            raise ValueError(
-                f"Muon: nonfinite must be 'error', 'skip' or 'ignore', found {nonfinite!r}"
-            )
-        if isinstance(ns_dtype, torch.dtype):
-            ns_dtype = str(ns_dtype).removeprefix("torch.")
-        resolve_dtype(ns_dtype)
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            adjust_lr=adjust_lr,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            ns_dtype=ns_dtype,
-            eps=eps,
+        defaults = muon_defaults(
+            "Muon",
+            lr,
+            momentum,
+            nesterov,
+            weight_decay,
+            adjust_lr,
+            ns_steps,
+            ns_coefficients,
+            ns_dtype,
+            eps,
+            nonfinite,
         )
         self.nonfinite = nonfinite
         self.skipped_steps = 0

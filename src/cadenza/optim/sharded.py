@@ -37,7 +37,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from cadenza.model.units import MATRIX, Units
-from cadenza.optim.muon import AdjustLR, NonFinite, unit_scale
+from cadenza.optim.muon import AdjustLR, NonFinite, muon_defaults, unit_scale
 from cadenza.optim.newton_schulz import Coefficients, newton_schulz_, resolve_dtype
 from cadenza.optim.shard_plan import Box, Plan, plan_from_boxes
 
@@ -139,14 +139,19 @@ class ShardedMuon(torch.optim.Optimizer):
             )
         if max_in_flight < 1:
             raise ValueError(f"ShardedMuon: max_in_flight must be >= 1, found {max_in_flight}")
-        if nonfinite not in ("error", "skip", "ignore"):
-            raise ValueError(
-                f"ShardedMuon: nonfinite must be error, skip or ignore, found {nonfinite!r}"
-            )
-        unit_scale(1, 1, adjust_lr)
-        if isinstance(ns_dtype, torch.dtype):
-            ns_dtype = str(ns_dtype).removeprefix("torch.")
-        resolve_dtype(ns_dtype)
+        defaults = muon_defaults(
+            "ShardedMuon",
+            lr,
+            momentum,
+            nesterov,
+            weight_decay,
+            adjust_lr,
+            ns_steps,
+            ns_coefficients,
+            ns_dtype,
+            eps,
+            nonfinite,
+        )
         entries = []
         for i, e in enumerate(params):
             if not (isinstance(e, tuple) and len(e) == 3):
@@ -174,17 +179,6 @@ class ShardedMuon(torch.optim.Optimizer):
         self.last_step_bytes = 0  # bytes this rank sent to other ranks in the last step
         self.bucket_numel = int(bucket_numel)
         self.max_in_flight = int(max_in_flight)
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            adjust_lr=adjust_lr,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            ns_dtype=ns_dtype,
-            eps=eps,
-        )
         super().__init__([{"params": [p for _, p, _ in entries]}], defaults)
         self.param_groups[0]["param_names"] = [n for n, _, _ in entries]
         self._build_plan(entries)

@@ -5,12 +5,15 @@ model = parallelize(model, cfg.parallel, meshes)
 """
 
 from cadenza.parallel.grad import clip_grad_norm_, global_token_count
+from cadenza.parallel.materialize import init_sharded_weights
 from cadenza.parallel.mesh import LayoutError, Meshes, build_meshes, check_layout, describe
 from cadenza.parallel.parallelize import (
     init_distributed,
+    parallel_lm_loss,
     parallelize,
     shard_batch,
     sync_expert_loads,
+    sync_max_logits,
 )
 
 __all__ = [
@@ -22,7 +25,10 @@ __all__ = [
     "describe",
     "global_token_count",
     "init_distributed",
+    "init_sharded_weights",
+    "parallel_lm_loss",
     "parallelize",
     "shard_batch",
     "sync_expert_loads",
+    "sync_max_logits",
 ]

@@ -7,7 +7,8 @@ the whole global batch (all ranks), each rank computes
 
 and every reduction of gradients is a plain SUM (FSDP reduce-scatter over the shard dims,
 all-reduce over the replicate dims). Then sum_r grad(loss_r) = grad(mean over all tokens):
-exactly the single-process gradient. A per-rank mean followed by FSDP's default averaging
+exactly the single-process gradient. With gradient accumulation, N counts the tokens of all
+micro-batches of the step (sum the local counts first, then one `global_token_count`). A per-rank mean followed by FSDP's default averaging
 would instead weight ranks with few tokens too much, and for experts (reduced over the
 expert mesh, world / ep ranks) would come out ep times too large.
 

@@ -2,9 +2,9 @@
 
     meshes = init_distributed(cfg.parallel, n_routed_experts=cfg.model.n_routed_experts)
     model = parallelize(model, cfg.parallel, meshes)          # EP, CP hooks, FSDP2
-    ids, labels, positions = shard_batch(ids, labels, meshes)  # this rank's tokens
-    logits = model(ids, positions=positions)
-    loss = cross_entropy(logits, labels, reduction="sum") / global_token_count(n_local)
+    loss = parallel_lm_loss(model, ids, labels, meshes)    # this rank's share of the mean
+    loss.backward(); clip_grad_norm_(model.parameters(), c); optimizer.step()
+    sync_expert_loads(model); model.update_router_biases()
 
 Under `torchrun --nproc-per-node N` the process group comes from torchrun's environment;
 without it (one process) `init_distributed` returns None and nothing is parallelized.
@@ -17,12 +17,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from cadenza.config.parallel import ParallelConfig
 from cadenza.parallel.context_parallel import KVGather, split_sequence
 from cadenza.parallel.expert_parallel import apply_expert_parallel
 from cadenza.parallel.fsdp import apply_fsdp, mixed_precision
+from cadenza.parallel.grad import global_token_count
 from cadenza.parallel.mesh import Meshes, build_meshes, check_layout
 
 
@@ -121,6 +123,22 @@ def shard_batch(
     return ids, lab, positions[None]
 
 
+def parallel_lm_loss(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, meshes: Meshes | None
+) -> torch.Tensor:
+    """This rank's share of the global mean next-token loss (see grad.py for why).
+
+    sum over this rank's tokens of CE / (tokens in the whole global batch); summing the
+    shares over ranks gives the mean, and summing their gradients the mean's gradient.
+    With meshes=None it is the plain mean on one process.
+    """
+    ids, lab, positions = shard_batch(input_ids, labels, meshes)
+    out = model(ids, positions=positions)
+    logits = getattr(out, "logits", out)
+    n = global_token_count(lab.numel()) if meshes is not None else lab.numel()
+    return F.cross_entropy(logits.float().flatten(0, 1), lab.flatten(), reduction="sum") / n
+
+
 def sync_expert_loads(model: nn.Module, group=None) -> None:
     """Sum each MoE layer's `tokens_per_expert` over ranks (before the router-bias update).
 
@@ -136,3 +154,17 @@ def sync_expert_loads(model: nn.Module, group=None) -> None:
     for x in loads:
         x.copy_(flat[offset : offset + x.numel()].view_as(x))
         offset += x.numel()
+
+
+def sync_max_logits(model: nn.Module, group=None) -> None:
+    """Max of each attention's recorded `max_logit` [H] over ranks (for QK-clip).
+
+    Each rank sees only its own batch rows and sequence part; QK-clip must act on the
+    global maximum, and identically on every rank holding a shard of the weights.
+    """
+    if not dist.is_initialized():
+        return
+    for m in model.modules():
+        value = getattr(m, "max_logit", None)
+        if isinstance(value, torch.Tensor):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
