@@ -55,6 +55,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="gru", choices=["gru", "causal_lm"])
+    p.add_argument("--teacher", default="current", choices=["current", "ema", "frozen"])
     p.add_argument("--png", default="runs/bench_feedback.png")
     return p.parse_args(argv)
 
@@ -70,6 +71,7 @@ def run(argv: list[str]) -> dict:
         f"rl.lr={a.lr}",
         f"rl.warmup_steps={a.warmup_steps}",
         f"rl.policy={a.policy}",
+        f"rl.feedback.teacher={a.teacher}",
         f"rl.feedback.kl_coef={a.kl_coef}",
         f"rl.feedback.estimator={a.estimator}",
         # the toy policy was taught to follow only this hint; a hint a model cannot use makes
@@ -136,7 +138,7 @@ def run(argv: list[str]) -> dict:
 
     print(
         f"toy tool-use task, {a.policy} policy, {a.tasks}x{a.group} episodes/step, "
-        f"{a.steps} steps, lr {a.lr}, kl coef {a.kl_coef}"
+        f"{a.steps} steps, lr {a.lr}, kl coef {a.kl_coef}, teacher {a.teacher}"
     )
     print(
         f"{'arm':<14}{'steps<' + str(a.threshold):>12}{'final reward':>14}"
