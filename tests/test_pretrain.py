@@ -46,8 +46,9 @@ TINIER = [
     "data.batch_size=4",
     "data.val_fraction=0.1",
     f"train.steps={STEPS}",
-    "train.warmup_steps=5",
-    "train.lr=0.01",
+    "optim.warmup_steps=5",
+    "optim.lr=0.01",
+    "optim.adamw_lr=0.01",
     "train.log_every=5",
     "train.eval_every=10",
     "train.ckpt_every=10",
@@ -183,10 +184,18 @@ def test_resume_problems_give_clear_errors(tokenizer_path, reference, tmp_path):
     ref_out, result = reference
     with pytest.raises(PretrainError, match="no checkpoint under .*run without --resume"):
         pretrain(_cfg(tokenizer_path, tmp_path / "empty", "train.resume=true"))
-    with pytest.raises(PretrainError, match="already holds a run .*pass --resume"):
-        pretrain(_cfg(tokenizer_path, ref_out))
+    # A fresh run where a run exists moves the old one aside (nothing lost).
+    again = tmp_path / "again"
+    shutil.copytree(ref_out, again)
+    messages = []
+    pretrain(_cfg(tokenizer_path, again, "train.steps=2"), log=messages.append)
+    (moved,) = tmp_path.glob("again.*")
+    assert any(f"moved it to {moved}" in m for m in messages)
+    assert _losses(moved) == _losses(ref_out) and len(_losses(again)) == 2
     with pytest.raises(PretrainError, match=r"config differs .*model.hidden_size"):
         pretrain(_cfg(tokenizer_path, ref_out, "train.resume=true", "model.hidden_size=48"))
+    with pytest.raises(PretrainError, match=r"optimizer state: .*optim.optimizer"):
+        pretrain(_cfg(tokenizer_path, ref_out, "train.resume=true", "optim.optimizer=adamw"))
 
     def broken(name, damage):
         out = tmp_path / name

@@ -15,7 +15,6 @@ from cadenza.train.data import (
     pack_documents,
     split_documents,
 )
-from cadenza.train.pretrain import lr_at
 
 
 def _docs(n, seed=0):
@@ -87,17 +86,6 @@ def test_validation_split_holds_out_whole_documents():
         split_documents(1, 0.1, 0)
     with pytest.raises(ValueError, match="fewer than one window"):
         build_corpus_data([[3], [4]], 1, 2, seq_len=64, batch_size=2, val_fraction=0.5, seed=0)
-
-
-def test_lr_schedule_warmup_then_cosine():
-    peak, total, warm = 1e-3, 100, 10
-    assert lr_at(0, total, peak, warm, 0.1) == pytest.approx(peak / warm)
-    assert lr_at(warm - 1, total, peak, warm, 0.1) == pytest.approx(peak)
-    mid = warm + (total - warm) // 2
-    assert lr_at(mid, total, peak, warm, 0.1) == pytest.approx(peak * (0.1 + 0.9 * 0.5))
-    assert lr_at(total, total, peak, warm, 0.1) == pytest.approx(peak * 0.1)
-    lrs = [lr_at(s, total, peak, warm, 0.1) for s in range(warm, total)]
-    assert all(x >= y for x, y in zip(lrs, lrs[1:]))
 
 
 def test_metrics_jsonl_and_truncate(tmp_path):

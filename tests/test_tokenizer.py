@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -143,21 +141,21 @@ def test_corpus_order_is_deterministic_and_capped(tmp_path):
 
 
 def test_cli_tokenizer_train(tmp_path):
+    from typer.testing import CliRunner
+
+    from cadenza.cli.main import app
+
     src = tmp_path / "src"
     src.mkdir()
     for i in range(20):
         (src / f"m{i}.py").write_text(f"def func_{i}(a, b):\n    return a * {i} + b\n" * 20)
-    r = subprocess.run(
-        [sys.executable, "-m", "cadenza.cli.main", "tokenizer", "train", "--corpus", str(src),
-         "--out", str(tmp_path / "tk"), "--vocab-size", "300"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    runner = CliRunner()
+    args = ["tokenizer", "train", "--corpus", str(src), "--out", str(tmp_path / "tk")]
+    r = runner.invoke(app, [*args, "--vocab-size", "300"])
+    assert r.exit_code == 0, r.output
     tok = Tokenizer.from_file(tmp_path / "tk")
     assert tok.decode(tok.encode("def func_3(a, b):")) == "def func_3(a, b):"
-    r = subprocess.run(
-        [sys.executable, "-m", "cadenza.cli.main", "tokenizer", "train", "--corpus",
-         str(tmp_path / "absent"), "--out", str(tmp_path / "tk2")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 2 and "expected 'stdlib' or a directory" in r.stderr
+    r = runner.invoke(app, ["tokenizer", "encode", "--tokenizer", str(tmp_path / "tk"), "def f"])
+    assert r.exit_code == 0 and r.output.split("\n")[0] == " ".join(map(str, tok.encode("def f")))
+    r = runner.invoke(app, ["tokenizer", "train", "--corpus", str(tmp_path / "absent")])
+    assert r.exit_code == 2 and "expected 'stdlib' or a directory" in r.output

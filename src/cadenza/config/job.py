@@ -15,6 +15,7 @@ from cadenza.config.optim import OptimConfig
 from cadenza.config.parallel import ParallelConfig
 from cadenza.config.rl import RLConfig
 from cadenza.config.sandbox import SandboxConfig
+from cadenza.config.tasks import TasksConfig
 
 
 @dataclass
@@ -45,10 +46,6 @@ class TrainConfig:
     eval_every: int = 100
     ckpt_every: int = 100
     threads: int = 0  # torch intra-op threads; 0 = the cores this process may use
-    lr: float = 3e-3  # peak AdamW learning rate (until cadenza.optim.build_optimizer)
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
-    weight_decay: float = 0.1  # on matrices only; embeddings, norms, router: none
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     eval_batches: int = 4
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 keeps all
@@ -66,6 +63,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
 

@@ -133,6 +133,9 @@ class Attention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, self.interleave)
         if cache is not None:
             c_kv, k_pe = cache.update(c_kv, k_pe)
+            if T == 1:
+                out = self._absorbed(q_nope, q_pe, c_kv, k_pe, mask)
+                return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
         elif self.kv_gather is not None:
             c_kv, k_pe, mask = self.kv_gather(c_kv, k_pe, mask)
         S = c_kv.shape[1]
@@ -146,3 +149,23 @@ class Attention(nn.Module):
         if max_logit is not None:
             self.max_logit = max_logit
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
+
+    def _absorbed(self, q_nope, q_pe, c_kv, k_pe, mask) -> torch.Tensor:
+        """Decoding against the latent cache without expanding it (DeepSeek-V2's absorption):
+
+            q_nope . (W_uk c) = (W_uk^T q_nope) . c,   sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s)
+
+        so each step costs O(S * kv_lora_rank) per head instead of re-expanding all S cached
+        latents through kv_b_proj. Returns [B, H, T, v_head_dim]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_lat = torch.matmul(q_nope, w_uk)  # [B, H, T, r]
+        c = c_kv[:, None]  # [B, 1, S, r], shared by all heads
+        scores = torch.matmul(q_lat, c.transpose(-1, -2))
+        scores = (scores + torch.matmul(q_pe, k_pe[:, None].transpose(-1, -2))) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        if self.record_max_logit:
+            self.max_logit = scores.detach().amax(dim=(0, 2, 3))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        return torch.matmul(torch.matmul(probs, c), w_uv.transpose(-1, -2))

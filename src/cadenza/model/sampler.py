@@ -165,7 +165,7 @@ def sample_next(
     return tokens, model_logprobs.gather(-1, tokens[:, None])[:, 0], q.log()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],

@@ -13,6 +13,7 @@ from torch import nn
 from cadenza.config.model import ModelConfig
 from cadenza.model.attention import Attention
 from cadenza.model.kv_cache import KVCache
+from cadenza.model.loss import linear_cross_entropy
 from cadenza.model.mlp import MLP
 from cadenza.model.moe import MoE
 from cadenza.model.norm import RMSNorm
@@ -129,6 +130,23 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head on (a selection of) final hidden states [..., D] -> [..., V]."""
         return self.lm_head(hidden)
+
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy, computed without materializing all the logits.
+
+        targets [B, T]: the token each position should predict (ignore_index: skip); default:
+        input_ids shifted left by one, so the last position predicts nothing."""
+        if targets is None:
+            targets = torch.full_like(input_ids, ignore_index)
+            targets[:, :-1] = input_ids[:, 1:]
+        hidden = self.hidden(input_ids, positions)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index)
 
     def forward(
         self,

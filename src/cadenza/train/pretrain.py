@@ -4,12 +4,14 @@ One step at data position b (one batch per step):
 
     x, y = batches(b)                                  [B, T] inputs and next tokens
     loss = mean over B*T of  -log softmax(model(x))[y]
-    g = clip(grad loss, grad_clip);  AdamW step at lr(step);  expert-bias update (MoE)
+    g = clip(grad loss, grad_clip);  optimizer step;  expert-bias update (MoE)
 
-lr(step) warms up linearly over `warmup_steps`, then follows a cosine to
-lr * min_lr_ratio at the last step. Everything that decides the next step lives in the
-checkpoint (weights, optimizer moments, RNG, step, data position), and batches are a pure
-function of the position, so a resumed run retraces an uninterrupted one bit for bit.
+The optimizer is cadenza.optim.build_optimizer: Muon over the model's natural units
+(per head, per expert), AdamW over the rest, with its warmup + cosine/WSD schedule
+(cfg.optim; optim.optimizer=adamw for AdamW everywhere). Everything that decides the next
+step lives in the checkpoint (weights, optimizer moments, RNG, step, data position), and
+batches are a pure function of the position, so a resumed run retraces an uninterrupted
+one bit for bit.
 
 SIGTERM and SIGINT stop the run after the current step, write a checkpoint and raise
 `Interrupted`; a second SIGINT aborts at once.
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -39,7 +42,7 @@ from cadenza.log.metrics import MetricsWriter, truncate_after
 from cadenza.log.progress import Progress
 from cadenza.model import CausalLM, generate
 from cadenza.model.tokenizer import Tokenizer, read_texts, train_tokenizer
-from cadenza.model.units import param_units
+from cadenza.optim import build_optimizer
 from cadenza.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cadenza.train.corpus import corpus_files
 from cadenza.train.data import CorpusData, build_corpus_data
@@ -80,34 +83,11 @@ class PretrainResult:
 # ---- pure pieces ------------------------------------------------------------------------
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine."""
-    if warmup > 0 and step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over all B*T positions (fp32 log-softmax)."""
     out = model(inputs)
     logits = getattr(out, "logits", out)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (what Muon would take), none on the rest.
-
-    One-line switch to Muon once it lands: return cadenza.optim.build_optimizer(model, cfg.optim).
-    """
-    decay, plain = [], []
-    for _, p, units in param_units(model):
-        (plain if units.kind == "adamw" else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.train.weight_decay},
-        {"params": plain, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 @torch.no_grad()
@@ -161,6 +141,18 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+def move_aside(out: Path) -> Path:
+    """Rename run directory `out` to `<out>.<timestamp>[-k]` so a fresh run loses nothing."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = out.with_name(f"{out.name}.{stamp}")
+    k = 1
+    while aside.exists():
+        aside = out.with_name(f"{out.name}.{stamp}-{k}")
+        k += 1
+    os.rename(out, aside)
+    return aside
 
 
 def obtain_tokenizer(cfg: Config, out_dir: Path, log: Callable[[str], None]) -> Tokenizer:
@@ -275,13 +267,14 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
             )
         say(f"resuming from {existing} (step {state['step']})")
     else:
-        if existing is not None:
-            raise PretrainError(
-                f"{out} already holds a run (latest checkpoint {existing.name}); pass --resume "
-                f"to continue it, or set train.out_dir to a new directory, or delete {out}"
-            )
+        given = Tokenizer.from_file(cfg.tokenizer.path) if cfg.tokenizer.path else None
+        if existing is not None or (out / METRICS_FILE).exists():
+            aside = move_aside(out)
+            say(f"{out} held an earlier run: moved it to {aside} (--resume continues a run)")
+            if (aside / TOKENIZER_DIR).is_dir():  # keep the cached tokenizer
+                shutil.copytree(aside / TOKENIZER_DIR, out / TOKENIZER_DIR)
         out.mkdir(parents=True, exist_ok=True)
-        tokenizer = obtain_tokenizer(cfg, out, say)
+        tokenizer = given or obtain_tokenizer(cfg, out, say)
 
     model_cfg = model_config_for(cfg.model, tokenizer)
     data = load_corpus(cfg, tokenizer)
@@ -296,7 +289,7 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
     random.seed(tcfg.seed)
     model = CausalLM(model_cfg)
     model.train()
-    optimizer = make_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg)
     step, position = 0, 0
     if state is not None:
         if state["data_fingerprint"] != data.fingerprint:
@@ -305,7 +298,10 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 "written (files changed?); resume on the same corpus or start a fresh run"
             )
         model.load_state_dict(loaded.state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise PretrainError(f"--resume from {existing}: optimizer state: {e}") from e
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         step, position = state["step"], state["data_position"]
@@ -339,22 +335,21 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
         tps_avg = 0.0
         while step < tcfg.steps and stop.signum is None:
             t0 = time.perf_counter()
-            lr = lr_at(step, tcfg.steps, tcfg.lr, tcfg.warmup_steps, tcfg.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lrs = optimizer.lrs
             inputs, targets = data.train.batch(position)
             loss = lm_loss(model, inputs, targets)
             loss_value = loss.item()
             if not math.isfinite(loss_value):
                 raise PretrainError(
-                    f"loss is {loss_value} at step {step + 1}; lower train.lr (now {tcfg.lr}) "
+                    f"loss is {loss_value} at step {step + 1}; lower optim.lr (now {cfg.optim.lr}) "
                     "or resume from an earlier checkpoint"
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
-            optimizer.step()
+            if not optimizer.step():  # optim.nonfinite=skip: a counted skip
+                bar.print(f"step {step + 1}: non-finite gradient, update skipped")
             model.update_router_biases()  # aux-loss-free balancing from this step's loads
             step += 1
             position += 1
@@ -365,10 +360,11 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
             record = {
                 "step": step,
                 "loss": loss_value,
-                "lr": lr,
+                **{f"lr_{k}": v for k, v in lrs.items()},
                 "grad_norm": grad_norm,
                 "tokens": position * data.train.tokens_per_batch,
                 "tokens_per_s": tps,
+                "step_time": dt,
                 "epoch": data.train.epoch_of(position),
             }
             if step % tcfg.eval_every == 0 or step == tcfg.steps:
