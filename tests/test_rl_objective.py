@@ -128,9 +128,10 @@ def test_bench_feedback_smoke(tmp_path):
         assert len(r[arm]["invalid_call_rate"]) == 3
     assert r["rl_only"]["invalid_call_rate"][0] == r["rl_feedback"]["invalid_call_rate"][0]
     assert sum(r["rl_only"]["hint_spans"]) == 0
-    w, h, raw = _read_png(png)
-    assert (w, h) == (640, 480)
-    assert len(set(raw)) > 2  # something was drawn
+    for path in (png, tmp_path / "plot_reward.png"):
+        w, h, raw = _read_png(path)
+        assert (w, h) == (720, 440)
+        assert len(set(raw)) > 2  # something was drawn
 
 
 def test_one_feedback_step_with_the_cadenza_model(tmp_path):

@@ -8,10 +8,10 @@ tasks and sampling seeds; they differ only in `rl.feedback.enabled`.
 Figures per arm: `steps_to_threshold` (first step from which the invalid-call rate stays below
 the threshold, 1% by default, until the end of the run, with at least 10 steps left to show
 it; null if never) and `final_reward`
-(mean reward over the last 10 steps); `final_invalid_call_rate` likewise. The baseline is the RL-only arm; the ratio printed is
-steps_to_threshold(rl_only) / steps_to_threshold(rl_feedback). The plot (PNG, no text):
-top panel invalid-call rate (0 to 0.5, gray line at the threshold), bottom panel reward
-(0.5 to 1); red = RL only, blue = RL + feedback.
+(mean reward over the last 10 steps); `final_invalid_call_rate` likewise.
+The baseline is the RL-only arm; the ratio printed is steps_to_threshold(rl_only) /
+steps_to_threshold(rl_feedback). Plots (cadenza.log.plot): the invalid-call rate per step at
+--png, the reward per step next to it (`*_reward.png`), one line per arm.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import argparse
 import copy
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from cadenza.config import load_config
-from cadenza.log.png import line_plot
+from cadenza.log.plot import line_plot_png
 from cadenza.train.rl_trainer import RLTrainer, build_env, build_policy
 
 
@@ -110,28 +111,20 @@ def run(argv: list[str]) -> dict:
     else:
         ratio = None
     result["speedup_steps_to_threshold"] = ratio
-    red, blue = (210, 40, 40), (40, 80, 210)
-    line_plot(
-        a.png,
-        [
-            {
-                "series": [
-                    (result["rl_only"]["invalid_call_rate"], red),
-                    (result["rl_feedback"]["invalid_call_rate"], blue),
-                ],
-                "ylim": (0.0, 0.5),
-                "hlines": [a.threshold],
-            },
-            {
-                "series": [
-                    (result["rl_only"]["reward"], red),
-                    (result["rl_feedback"]["reward"], blue),
-                ],
-                "ylim": (0.5, 1.0),
-            },
-        ],
+    png = Path(a.png)
+    reward_png = png.with_name(png.stem + "_reward" + png.suffix)
+    title = f"{a.policy} policy, {a.tasks}x{a.group} episodes/step"
+    line_plot_png(
+        png,
+        {arm: result[arm]["invalid_call_rate"] for arm in ("rl_only", "rl_feedback")},
+        title=f"invalid-call rate per step ({title})",
     )
-    result["plot"] = a.png
+    line_plot_png(
+        reward_png,
+        {arm: result[arm]["reward"] for arm in ("rl_only", "rl_feedback")},
+        title=f"mean reward per step ({title})",
+    )
+    result["plot"] = [str(png), str(reward_png)]
 
     def fmt(s):
         return "never" if s is None else str(s)
@@ -159,5 +152,5 @@ def run(argv: list[str]) -> dict:
         )
     else:
         print("neither arm stayed below the threshold")
-    print(f"plot: {a.png} (top: invalid-call rate, bottom: reward; red RL only, blue + feedback)")
+    print(f"plots: {png} (invalid-call rate), {reward_png} (reward)")
     return result
