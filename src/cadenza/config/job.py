@@ -14,6 +14,7 @@ from cadenza.config.base import ConfigError, from_dict, load_yaml, merge, parse_
 from cadenza.config.model import ModelConfig, k2_model, tiny_model
 from cadenza.config.optim import OptimConfig
 from cadenza.config.parallel import ParallelConfig
+from cadenza.config.rl import RLConfig
 from cadenza.config.sandbox import SandboxConfig
 from cadenza.config.tasks import TasksConfig
 
@@ -65,6 +66,7 @@ class Config:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
 
 def tiny() -> Config:
