@@ -37,10 +37,22 @@ def build_cmd(
         "--exclude-failing",
         help="Leave out tests that fail in the original suite instead of refusing.",
     ),
+    remover: str = typer.Option(
+        "ast", "--remover", help="ast (exact spans) or agent (a chat model with tools)."
+    ),
+    endpoint: str = typer.Option(
+        "", "--endpoint", help="OpenAI-compatible server for --remover agent, e.g. URL/v1."
+    ),
+    model: str = typer.Option("", "--model", help="Model name for --remover agent."),
+    max_turns: int = typer.Option(40, "--max-turns", help="Model calls per candidate (agent)."),
+    api_key_env: str = typer.Option(
+        "OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API key."
+    ),
 ) -> None:
     """Build validated, leak-free tasks from SOURCE into OUT/tasks.jsonl."""
     from cadenza.tasks.build import BuildOptions, build
     from cadenza.tasks.errors import TaskError
+    from cadenza.tasks.remove_agent import AgentRemoverOptions
 
     opts = BuildOptions(
         max_tasks=max_tasks,
@@ -51,6 +63,10 @@ def build_cmd(
         exclude_failing=exclude_failing,
         sandbox=sandbox,
         max_candidates=max_candidates or None,
+        remover=remover,
+        agent=AgentRemoverOptions(endpoint, model, api_key_env, max_turns=max_turns)
+        if remover == "agent"
+        else None,
     )
     try:
         summary = build(source, out, opts, log=lambda m: typer.echo(m, err=True))

@@ -17,3 +17,9 @@ class TasksConfig:
     with_signature: bool = True  # give the removed symbol's signature in the statement
     exclude_failing: bool = False  # leave out tests failing in the original suite
     sandbox: bool = False  # build-time gates in the sandbox too (grading always uses it)
+    remover: str = "ast"  # "ast" (exact spans) | "agent" (an OpenAI-compatible chat model)
+    endpoint: str = ""  # the agent remover's server, e.g. http://127.0.0.1:8000/v1
+    model: str = ""  # the agent remover's model name
+    remover_max_turns: int = 40  # model calls per candidate
+    remover_max_tokens: int = 100_000  # completion tokens per candidate
+    remover_max_seconds: float = 900.0  # wall clock per candidate

@@ -27,6 +27,7 @@ from cadenza.tasks.discover import Feature, find_features, find_module_features
 from cadenza.tasks.environment import ensure_venv, spec_for
 from cadenza.tasks.errors import TaskError
 from cadenza.tasks.gates import Job, validate
+from cadenza.tasks.remove_agent import AgentRemoverOptions, chat_url
 from cadenza.tasks.runner import Runner, SandboxRunner, default_runner
 from cadenza.tasks.scrub import copy_files
 from cadenza.tasks.source import (
@@ -56,6 +57,8 @@ class BuildOptions:
     max_candidates: int | None = None  # candidates tried (default: 4 x max_tasks)
     cache_dir: Path | None = None
     sandbox: bool = False  # gates in cadenza.sandbox (slower); grading always uses it
+    remover: str = "ast"  # "ast" (exact spans) | "agent" (a chat model with tools; needs agent)
+    agent: AgentRemoverOptions | None = None
 
 
 def difficulty_features(f: Feature) -> dict[str, Any]:
@@ -117,6 +120,15 @@ def build(
     opts = options or BuildOptions()
     if opts.difficulty not in BANDS:
         raise TaskError(f"--difficulty {opts.difficulty!r}: expected one of {', '.join(BANDS)}")
+    if opts.remover not in ("ast", "agent"):
+        raise TaskError(f"--remover {opts.remover!r}: expected ast or agent")
+    if opts.remover == "agent":
+        if opts.agent is None or not opts.agent.endpoint or not opts.agent.model:
+            raise TaskError(
+                "--remover agent needs --endpoint URL and --model NAME of an OpenAI-compatible "
+                "chat server"
+            )
+        chat_url(opts.agent.endpoint)  # a bad URL fails here, before any test runs
     runner = runner or (SandboxRunner() if opts.sandbox else default_runner())
     cache = opts.cache_dir or default_cache_dir()
     out = Path(out)
@@ -212,6 +224,7 @@ def build(
                 with_signature=opts.with_signature,
                 difficulty=difficulty_features(f),
                 sandboxed=opts.sandbox,
+                agent=opts.agent if opts.remover == "agent" else None,
             )
             for f in candidates
         ]
@@ -296,6 +309,8 @@ def _run_jobs(jobs: list[Job], opts: BuildOptions, log) -> tuple[list[dict], lis
                         )
                     ).unlink(missing_ok=True)
                 else:
+                    if r.get("fatal"):
+                        raise TaskError(f"{r['feature']}: {r['reason']}")
                     rejected.append(r)
                     log(f"  rejected {r['feature']}: {r['reason'][:200]}")
     finally:

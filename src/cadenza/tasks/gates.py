@@ -33,6 +33,12 @@ from cadenza.tasks.remove import (
     remove_definitions,
     remove_tests,
 )
+from cadenza.tasks.remove_agent import (
+    AgentRemoverOptions,
+    EndpointError,
+    remove_with_agent,
+    summarize_run,
+)
 from cadenza.tasks.runner import Runner, SandboxRunner, default_runner
 from cadenza.tasks.scrub import apply_patch, copy_files, diff_to, git, init_repo, write_files
 from cadenza.tasks.source import import_root, is_test_file, library_files
@@ -60,6 +66,7 @@ class Job:
     with_signature: bool = True
     difficulty: dict[str, Any] = field(default_factory=dict)
     sandboxed: bool = False  # run the gates in cadenza.sandbox (else plain subprocesses)
+    agent: AgentRemoverOptions | None = None  # remove with a chat model instead of ast spans
 
 
 def stub_text(text: str, feature: Feature) -> str:
@@ -137,6 +144,38 @@ def _exports(texts: dict[str, str], feature: Feature, root: str, exported: list[
     return mods
 
 
+def _agent_removal(
+    job: Job,
+    runner: Runner,
+    texts: dict[str, str],
+    library: list[str],
+    test_changes: dict[str, str | None],
+    hidden_ids: list[str],
+    visible: list[str],
+):
+    """The model removes the feature from a copy without the hidden tests; its library edits."""
+    assert job.agent is not None
+    aws = Path(tempfile.mkdtemp(prefix="cadenza-agent-remove-"))
+    try:
+        copy_files(job.baseline, aws, job.files)
+        write_files(aws, test_changes)
+
+        def run_visible() -> str:
+            r = run_tests(runner, aws, job.venv, timeout=job.timeout)
+            return summarize_run(r.outcomes, r.collect_errors, visible, r.output, r.timed_out)
+
+        return remove_with_agent(
+            aws,
+            job.feature,
+            hidden_ids,
+            {r: texts[r] for r in library},
+            job.agent,
+            run_visible,
+        )
+    finally:
+        shutil.rmtree(aws, ignore_errors=True)
+
+
 def validate(job: Job, runner: Runner | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
@@ -155,6 +194,7 @@ def validate(job: Job, runner: Runner | None = None) -> dict[str, Any]:
             "feature": f"{job.feature.module}.{job.feature.name}",
             "reason": str(e),
             "seconds": time.monotonic() - t0,
+            "fatal": isinstance(e, EndpointError),  # every other candidate would fail alike
         }
 
 
@@ -174,7 +214,13 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
     test_files = [r for r in job.files if is_test_file(r)]
     passing = set(job.passing)
 
-    lib_changes, names, exported = plan_removal(texts, library, f, root)
+    try:
+        lib_changes, names, exported = plan_removal(texts, library, f, root)
+    except RemovalError:
+        if job.agent is None:
+            raise
+        # the hidden tests are still those naming the feature's own definitions
+        lib_changes, names, exported = {}, set(f.names), []
     keys, whole = tests_naming(texts, test_files, names)
     hidden_keys = {test_key(t) for t in f.tests} | keys
     hidden = {t for t in passing if test_key(t) in hidden_keys or t.split("::")[0] in whole}
@@ -193,6 +239,22 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
         if new != texts[rel]:
             test_changes[rel] = new
     hidden_ids = sorted(hidden)
+    visible_p2p = sorted(passing - hidden)
+    if not visible_p2p:
+        raise Rejected("no test is left to check that the rest still works")
+    remover: dict[str, Any] = {"strategy": "ast"}
+    if job.agent is not None:
+        done = _agent_removal(job, runner, texts, library, test_changes, hidden_ids, visible_p2p)
+        lib_changes = done.changes
+        exported = [r for r in lib_changes if r != f.file]
+        remover = {
+            "strategy": "agent",
+            "model": job.agent.model,
+            "turns": done.turns,
+            "completion_tokens": done.completion_tokens,
+            "tool_errors": done.tool_errors,
+        }
+        lap("agent_removal")
 
     ws = Path(tempfile.mkdtemp(prefix="cadenza-task-"))
     try:
@@ -205,9 +267,6 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
 
         lap("prepare")
         # A: the remaining suite still collects and passes
-        visible_p2p = sorted(passing - hidden)
-        if not visible_p2p:
-            raise Rejected("no test is left to check that the rest still works")
         run = run_tests(runner, ws, job.venv, timeout=job.timeout)
         if run.timed_out:
             raise Rejected(f"suite timed out after removal ({job.timeout:.0f}s)")
@@ -285,7 +344,7 @@ def _validate(job: Job, runner: Runner, clock: dict[str, float] | None = None) -
             },
             "provenance": {
                 **job.project,
-                "strategy": "ast",
+                **remover,
                 "files_changed": sorted(lib_changes),
                 "tests_changed": sorted(test_changes),
             },
