@@ -325,6 +325,11 @@ def test_malformed_tool_calls_get_error_observations(project, server, tmp_path):
         strict=True,
     ):
         assert part in o, (part, o)
+    # the history sent back holds every call well-formed, with its answer under the same id
+    sent = srv.requests[1]["messages"][2]["tool_calls"]
+    assert all(isinstance(c["function"]["arguments"], str) and c["id"] for c in sent)
+    answered = [m["tool_call_id"] for m in srv.requests[1]["messages"] if m["role"] == "tool"]
+    assert answered == [c["id"] for c in sent]
     nudge = srv.requests[2]["messages"][-1]
     assert nudge["role"] == "user" and "no tool call" in nudge["content"]
     assert not list(tmp_path.iterdir())

@@ -161,8 +161,7 @@ def _agent_removal(
         write_files(aws, test_changes)
 
         def run_visible() -> str:
-            r = run_tests(runner, aws, job.venv, timeout=job.timeout)
-            return summarize_run(r.outcomes, r.collect_errors, visible, r.output, r.timed_out)
+            return summarize_run(run_tests(runner, aws, job.venv, timeout=job.timeout), visible)
 
         return remove_with_agent(
             aws,

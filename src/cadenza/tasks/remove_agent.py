@@ -29,6 +29,7 @@ from typing import Any
 from cadenza.tasks.discover import Feature
 from cadenza.tasks.errors import TaskError
 from cadenza.tasks.remove import RemovalError
+from cadenza.tasks.testrun import TestRun
 
 READ_LIMIT = 60_000  # characters of one read_file answer
 RUN_REPORT_LIMIT = 4_000
@@ -264,7 +265,7 @@ def instructions(feature: Feature, hidden: list[str]) -> list[dict[str, str]]:
             f"the {feature.kind} `{feature.name}` defined in {feature.file} "
             f"(lines {head.start}-{head.end}, `{head.signature}`)"
         )
-        helpers = [d for d in feature.defs[1:]]
+        helpers = feature.defs[1:]
         if helpers:
             what += ", with the private helpers only it uses: " + ", ".join(
                 f"`{d.name}` (lines {d.start}-{d.end})" for d in helpers
@@ -296,10 +297,27 @@ class AgentRemoval:
     tool_errors: int
 
 
-def _arguments(raw: Any) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return raw
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
+def _normal_call(call: Any, default_id: str) -> tuple[dict[str, Any], str | None]:
+    """An OpenAI tool call in canonical form, and what is wrong with it (None: nothing)."""
+    c = call if isinstance(call, dict) else {}
+    fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+    name, args = fn.get("name"), fn.get("arguments")
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = "malformed tool call: expected {function: {name, arguments}}"
+    canonical = {
+        "id": c.get("id") if isinstance(c.get("id"), str) and c.get("id") else default_id,
+        "type": "function",
+        "function": {
+            "name": name if isinstance(name, str) else "",
+            "arguments": args if isinstance(args, str) else json.dumps(args or {}),
+        },
+    }
+    return canonical, problem
+
+
+def _arguments(raw: str) -> dict[str, Any]:
+    if not raw.strip():
         return {}
     try:
         args = json.loads(raw)
@@ -351,12 +369,14 @@ def remove_with_agent(
         answer = chat_fn(url, body, api_key, options.request_timeout)
         turns += 1
         msg, usage = answer["message"], answer["usage"]
-        calls = msg.get("tool_calls") or []
-        content = msg.get("content") or ""
+        raw_calls = msg.get("tool_calls") or []
+        calls = [_normal_call(c, f"call_{turns}_{i}") for i, c in enumerate(raw_calls)]
+        content = msg.get("content") if isinstance(msg.get("content"), str) else ""
         used = usage.get("completion_tokens")
         tokens += int(used) if isinstance(used, int) else (len(content) + len(str(calls))) // 4
+        # history carries the calls well-formed, so a strict server accepts the next request
         messages.append(
-            {"role": "assistant", "content": content, "tool_calls": calls}
+            {"role": "assistant", "content": content, "tool_calls": [c for c, _ in calls]}
             if calls
             else {"role": "assistant", "content": content}
         )
@@ -370,26 +390,16 @@ def remove_with_agent(
                 }
             )
             continue
-        for i, call in enumerate(calls):
-            call_id = call.get("id") if isinstance(call, dict) else None
+        for call, problem in calls:
             try:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise ToolError("malformed tool call: expected {function: {name, arguments}}")
-                observation = tools.call(fn["name"], _arguments(fn.get("arguments")))
-            except ToolError as e:
+                if problem:
+                    raise ToolError(problem)
+                fn = call["function"]
+                observation = tools.call(fn["name"], _arguments(fn["arguments"]))
+            except (ToolError, OSError, UnicodeError) as e:
                 tool_errors += 1
                 observation = f"error: {e}"
-            except OSError as e:
-                tool_errors += 1
-                observation = f"error: {e}"
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id or f"call_{turns}_{i}",
-                    "content": observation,
-                }
-            )
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": observation})
             if tools.finished:
                 break
     changes: dict[str, str | None] = {}
@@ -404,25 +414,19 @@ def remove_with_agent(
     return AgentRemoval(changes, turns, tokens, time.monotonic() - t0, tool_errors)
 
 
-def summarize_run(
-    outcomes: dict[str, str],
-    collect_errors: list[str],
-    expected: list[str],
-    output: str,
-    timed_out: bool,
-) -> str:
+def summarize_run(run: TestRun, expected: list[str]) -> str:
     """What run_tests tells the model: the visible tests that should pass but do not."""
-    if timed_out:
+    if run.timed_out:
         return "the test run timed out"
     lines = []
-    if collect_errors:
-        lines.append("collection errors in: " + ", ".join(collect_errors[:10]))
-    bad = [t for t in expected if outcomes.get(t) != "passed"]
+    if run.collect_errors:
+        lines.append("collection errors in: " + ", ".join(run.collect_errors[:10]))
+    bad = [t for t in expected if run.outcomes.get(t) != "passed"]
     ok = len(expected) - len(bad)
     lines.append(f"{ok} of {len(expected)} visible tests pass")
-    lines += [f"FAILING {t} ({outcomes.get(t, 'absent')})" for t in bad[:30]]
-    if bad or collect_errors:
-        lines.append("output tail:\n" + output[-RUN_REPORT_LIMIT:])
+    lines += [f"FAILING {t} ({run.outcomes.get(t, 'absent')})" for t in bad[:30]]
+    if bad or run.collect_errors:
+        lines.append("output tail:\n" + run.output[-RUN_REPORT_LIMIT:])
     return "\n".join(lines)
 
 
