@@ -153,3 +153,39 @@ def test_checkpoint_kinds_are_not_mixed_up(dual_mesh, single, tokenizer_path, tm
     run = _torchrun(2, "--resume", *_overrides(tokenizer_path, single), "parallel.ep=2")
     assert run.returncode != 0
     assert "written by a single-process run; resume it in one process" in run.stderr
+
+
+def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(tokenizer_path, tmp_path):
+    """torchrun forwards SIGTERM; the ranks agree on the step, save it, and a resume ends."""
+    import signal
+    import time
+
+    steps = ["train.steps=40", "train.ckpt_every=100", "train.eval_every=100"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    cmd += ["-m", "cadenza.cli.main", "train", *_overrides(tokenizer_path, tmp_path), *steps]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [*cmd, *DUAL_MESH], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    metrics, t0 = tmp_path / "metrics.jsonl", time.monotonic()
+    while not (metrics.is_file() and len(read_jsonl(metrics)) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        if time.monotonic() - t0 > 150:
+            proc.kill()
+            pytest.fail("timed out waiting for step 3")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert err.count("stopped by SIGTERM after step") == 1, err[-3000:]  # rank 0 alone says it
+    ((stopped, path),) = list_checkpoints(tmp_path)
+    assert 3 <= stopped < 40 and (path / "dcp" / ".metadata").is_file()
+    assert len(_records(tmp_path)) == stopped
+
+    run = _torchrun(
+        2, "--resume", *_overrides(tokenizer_path, tmp_path), *steps,
+        "parallel.ep=2", "parallel.expert_shard=1",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [r["step"] for r in _records(tmp_path)] == list(range(1, 41))
+    assert list_checkpoints(tmp_path)[-1][0] == 40
