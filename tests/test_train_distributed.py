@@ -160,7 +160,7 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(tokenizer_pa
     import signal
     import time
 
-    steps = ["train.steps=40", "train.ckpt_every=100", "train.eval_every=100"]
+    steps = ["train.steps=20", "train.ckpt_every=100", "train.eval_every=100"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     cmd += ["-m", "cadenza.cli.main", "train", *_overrides(tokenizer_path, tmp_path), *steps]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -179,7 +179,7 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(tokenizer_pa
     assert proc.returncode != 0
     assert err.count("stopped by SIGTERM after step") == 1, err[-3000:]  # rank 0 alone says it
     ((stopped, path),) = list_checkpoints(tmp_path)
-    assert 3 <= stopped < 40 and (path / "dcp" / ".metadata").is_file()
+    assert 3 <= stopped < 20 and (path / "dcp" / ".metadata").is_file()
     assert len(_records(tmp_path)) == stopped
 
     run = _torchrun(
@@ -187,5 +187,5 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(tokenizer_pa
         "parallel.ep=2", "parallel.expert_shard=1",
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert [r["step"] for r in _records(tmp_path)] == list(range(1, 41))
-    assert list_checkpoints(tmp_path)[-1][0] == 40
+    assert [r["step"] for r in _records(tmp_path)] == list(range(1, 21))
+    assert list_checkpoints(tmp_path)[-1][0] == 20

@@ -56,6 +56,13 @@ class ParallelJob:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: its GPU under NCCL (init_distributed picked it), else CPU."""
+        if self.meshes.dense.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -66,21 +73,22 @@ class ParallelJob:
     # ---- the step --------------------------------------------------------------------
 
     def parallelize(self, model: nn.Module, cfg: Config) -> nn.Module:
-        return parallelize(model, cfg.parallel, self.meshes)
+        return parallelize(model.to(self.device), cfg.parallel, self.meshes)
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global mean next-token loss (summed over ranks: the mean)."""
-        return parallel_lm_loss(model, inputs, targets, self.meshes)
+        d = self.device
+        return parallel_lm_loss(model, inputs.to(d), targets.to(d), self.meshes)
 
     def total(self, value: torch.Tensor | float) -> float:
         """Sum of a scalar over all ranks."""
-        t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(1).clone()
+        t = torch.as_tensor(value).detach().to(self.device, torch.float64).reshape(1).clone()
         dist.all_reduce(t)
         return t.item()
 
     def stop_signal(self, signum: int | None) -> int | None:
         """The signal any rank received (ranks may see it at different steps), or None."""
-        t = torch.tensor([signum or 0], dtype=torch.int64)
+        t = torch.tensor([signum or 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item()) or None
 
@@ -97,7 +105,7 @@ class ParallelJob:
         was_training = model.training
         model.eval()
         try:
-            shares = [parallel_lm_loss(model, x, y, self.meshes) for x, y in batches]
+            shares = [self.loss(model, x, y) for x, y in batches]
         finally:
             model.train(was_training)
         return self.total(torch.stack(shares).sum()) / len(batches)
