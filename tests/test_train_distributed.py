@@ -189,3 +189,18 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(tokenizer_pa
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert [r["step"] for r in _records(tmp_path)] == list(range(1, 21))
     assert list_checkpoints(tmp_path)[-1][0] == 20
+
+
+def test_a_batch_that_does_not_split_over_the_layout_is_refused():
+    from types import SimpleNamespace
+
+    from cadenza.parallel import check_layout
+    from cadenza.train.distributed import LayoutMismatch, check_batch_layout
+
+    layout = check_layout(4, dict(shard=2, cp=2), dict(ep=4, shard=1))
+    job = SimpleNamespace(meshes=SimpleNamespace(layout=layout))
+    check_batch_layout(load_config("tiny", ["data.batch_size=4", "data.seq_len=32"]), job)
+    with pytest.raises(LayoutMismatch, match=r"batch_size=3 .* dp = replicate x shard = 2"):
+        check_batch_layout(load_config("tiny", ["data.batch_size=3"]), job)
+    with pytest.raises(LayoutMismatch, match=r"seq_len=30 must be divisible by 2 x cp = 4"):
+        check_batch_layout(load_config("tiny", ["data.seq_len=30"]), job)
