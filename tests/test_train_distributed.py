@@ -204,3 +204,5 @@ def test_a_batch_that_does_not_split_over_the_layout_is_refused():
         check_batch_layout(load_config("tiny", ["data.batch_size=3"]), job)
     with pytest.raises(LayoutMismatch, match=r"seq_len=30 must be divisible by 2 x cp = 4"):
         check_batch_layout(load_config("tiny", ["data.seq_len=30"]), job)
+    with pytest.raises(PretrainError, match=r"cp = world size.*launch with torchrun"):
+        pretrain(load_config("tiny", ["parallel.cp=2", "train.out_dir=/nonexistent/never"]))

@@ -48,6 +48,7 @@ from cadenza.log.progress import Progress
 from cadenza.model import CausalLM, generate
 from cadenza.model.tokenizer import Tokenizer, read_texts, train_tokenizer
 from cadenza.optim import build_optimizer
+from cadenza.parallel import LayoutError
 from cadenza.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cadenza.train.corpus import corpus_files
 from cadenza.train.data import CorpusData, build_corpus_data
@@ -257,8 +258,13 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
     Under torchrun (or in a process group the caller set up) every rank calls this."""
     try:
         job = start(cfg)
-    except LayoutMismatch as e:
-        raise PretrainError(str(e)) from e
+    except (LayoutError, LayoutMismatch) as e:
+        hint = (
+            "" if "WORLD_SIZE" in os.environ
+            else "; this is one process: for several, launch with torchrun --nproc-per-node N "
+            "-m cadenza.cli.main train ..."
+        )  # fmt: skip
+        raise PretrainError(f"parallel layout: {e}{hint}") from e
     try:
         return _pretrain(cfg, job, log)
     finally:
