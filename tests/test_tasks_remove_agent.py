@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -159,8 +160,9 @@ def malformed() -> list[list[dict]]:
 class Scripted:
     """An OpenAI-compatible /v1/chat/completions server replaying `scripts[feature]`."""
 
-    def __init__(self, scripts: dict[str, object], garbage: bool = False):
-        self.scripts, self.garbage, self.requests = scripts, garbage, []
+    def __init__(self, scripts: dict, garbage: bool = False, status: int = 200, delay: float = 0):
+        self.scripts, self.garbage, self.status, self.requests = scripts, garbage, status, []
+        self.delay = delay
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -170,8 +172,9 @@ class Scripted:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(body)
+                time.sleep(outer.delay)
                 data = b"<html>not json</html>" if outer.garbage else outer.answer(body)
-                status = 200 if self.path == "/v1/chat/completions" else 404
+                status = outer.status if self.path == "/v1/chat/completions" else 404
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -250,8 +253,8 @@ def project(tmp_path_factory):
 def server():
     made = []
 
-    def start(scripts, garbage=False):
-        made.append(Scripted(scripts, garbage))
+    def start(scripts, garbage=False, status=200, delay=0):
+        made.append(Scripted(scripts, garbage, status, delay))
         return made[-1]
 
     yield start
@@ -344,6 +347,14 @@ def test_limits_and_broken_endpoints_reject_cleanly(project, server, tmp_path):
     srv = server({}, garbage=True)
     r = validate(job(tmp_path, AgentRemoverOptions(srv.url, "scripted")))
     assert r["fatal"] and "did not answer with a chat completion" in r["reason"]
+    r = validate(job(tmp_path, AgentRemoverOptions(srv.url[:-3] + "/v2", "scripted")))
+    assert r["fatal"] and "HTTP 404" in r["reason"]
+    srv = server({}, status=400)  # e.g. this candidate's prompt is too long: only it is rejected
+    r = validate(job(tmp_path, AgentRemoverOptions(srv.url, "scripted")))
+    assert not r["ok"] and not r["fatal"] and "HTTP 400" in r["reason"]
+    srv = server({}, delay=0.6)  # a slow answer rejects this candidate, not the build
+    r = validate(job(tmp_path, AgentRemoverOptions(srv.url, "scripted", request_timeout=0.2)))
+    assert not r["fatal"] and "gave no answer within 0.2s" in r["reason"]
     assert not list(tmp_path.iterdir())
 
 

@@ -33,6 +33,7 @@ from cadenza.tasks.testrun import TestRun
 
 READ_LIMIT = 60_000  # characters of one read_file answer
 RUN_REPORT_LIMIT = 4_000
+FATAL_HTTP = {401, 403, 404}  # wrong key, URL or model: no candidate can succeed
 
 
 class EndpointError(TaskError):
@@ -80,8 +81,15 @@ def chat(url: str, body: dict[str, Any], api_key: str | None, timeout: float) ->
             raw = resp.read()
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:300]
-        raise EndpointError(f"the remover endpoint {url} answered HTTP {e.code}: {detail}") from e
+        message = f"the remover endpoint {url} answered HTTP {e.code}: {detail}"
+        if e.code in FATAL_HTTP:
+            raise EndpointError(message + "; check --endpoint, --model and the API key") from e
+        raise AgentRemovalError(message) from e  # e.g. this candidate's context is too long
     except (urllib.error.URLError, OSError) as e:
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            raise AgentRemovalError(
+                f"the remover endpoint {url} gave no answer within {timeout:.3g}s"
+            ) from e
         raise EndpointError(
             f"cannot reach the remover endpoint {url}: {getattr(e, 'reason', e)}; start the "
             "server or fix --endpoint"
@@ -355,7 +363,8 @@ def remove_with_agent(
                 f"agent remover used {tokens} completion tokens (limit {options.max_tokens}) "
                 "without calling done"
             )
-        if time.monotonic() - t0 > options.max_seconds:
+        left = options.max_seconds - (time.monotonic() - t0)
+        if left <= 0:
             raise AgentRemovalError(
                 f"agent remover did not call done within {options.max_seconds:.0f}s"
             )
@@ -366,7 +375,7 @@ def remove_with_agent(
             "max_tokens": options.max_new_tokens,
             "temperature": options.temperature,
         }
-        answer = chat_fn(url, body, api_key, options.request_timeout)
+        answer = chat_fn(url, body, api_key, min(options.request_timeout, left))
         turns += 1
         msg, usage = answer["message"], answer["usage"]
         raw_calls = msg.get("tool_calls") or []
