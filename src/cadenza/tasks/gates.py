@@ -34,6 +34,7 @@ from cadenza.tasks.remove import (
     remove_tests,
 )
 from cadenza.tasks.remove_agent import (
+    AgentRemoval,
     AgentRemoverOptions,
     EndpointError,
     remove_with_agent,
@@ -152,7 +153,7 @@ def _agent_removal(
     test_changes: dict[str, str | None],
     hidden_ids: list[str],
     visible: list[str],
-):
+) -> AgentRemoval:
     """The model removes the feature from a copy without the hidden tests; its library edits."""
     assert job.agent is not None
     aws = Path(tempfile.mkdtemp(prefix="cadenza-agent-remove-"))
