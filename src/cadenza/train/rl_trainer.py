@@ -18,9 +18,12 @@ then rename). SIGTERM/SIGINT finish the step in flight, checkpoint, and raise
 per step in `out_dir/metrics.jsonl` (cadenza.log.metrics); on resume, lines past the
 checkpoint are dropped so the file reads as one uninterrupted run.
 
+The checkpoint also holds the environment's own position (`env.state_dict()`, e.g. the
+agent env's round-robin index into the task store) when it has one.
+
 The checkpoint is a single torch file rather than cadenza.train.checkpoint's Hugging Face
 directory because the toy policy is not a CausalLM (that format needs save_pretrained and a
-tokenizer); the agent environment with a CausalLM policy should use the shared format.
+tokenizer); with the agent environment the policy is a CausalLM and the same file is used.
 """
 
 from __future__ import annotations
@@ -49,15 +52,51 @@ from cadenza.train.pretrain import Interrupted, StopSignals
 CKPT_NAME = "rl_checkpoint.pt"
 
 
+def _agent_format(cfg: Config):
+    """The agent env's chat format and the policy's model config (rl.init_from or model.*)."""
+    from cadenza.agent.chat_format import CadenzaFormat, load_chat_format
+    from cadenza.model import load_config
+
+    if cfg.rl.init_from:
+        path = Path(cfg.rl.init_from)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(
+                f"rl.init_from={cfg.rl.init_from!r}: expected a checkpoint directory with "
+                "config.json, *.safetensors and tokenizer.json (a `cadenza train` checkpoint, "
+                "e.g. runs/tiny/checkpoints/step_00000300)"
+            )
+        return load_chat_format(path), load_config(path)
+    if not cfg.tokenizer.path:
+        raise ValueError(
+            "rl.env=agent needs a policy with a tokenizer: set rl.init_from=CHECKPOINT_DIR, or "
+            "tokenizer.path=tokenizer.json for a fresh model.* policy"
+        )
+    return CadenzaFormat(cfg.tokenizer.path), cfg.model
+
+
 def build_env(cfg: Config) -> Environment:
     if cfg.rl.env == "toy":
         from cadenza.rl.toy_env import ToyEnv
 
         return ToyEnv(temperature=cfg.rl.temperature, max_context=cfg.rl.max_context)
-    raise ValueError(
-        f"rl.env: expected 'toy', found {cfg.rl.env!r} (the agent-harness environment "
-        "is not wired yet)"
-    )
+    if cfg.rl.env == "agent":
+        from dataclasses import replace
+
+        from cadenza.rl.agent_env import AgentEnv
+
+        fmt, model_cfg = _agent_format(cfg)
+        # an episode never outgrows the positions the policy was built for
+        limit = min(cfg.agent.max_context, model_cfg.max_position_embeddings)
+        return AgentEnv(
+            cfg.rl.tasks_dir,
+            fmt,
+            replace(cfg.agent, max_context=limit),
+            temperature=cfg.rl.temperature,
+            order=cfg.rl.task_order,
+            reward=cfg.rl.reward,
+            tools=cfg.rl.tools,
+        )
+    raise ValueError(f"rl.env: expected 'toy' or 'agent', found {cfg.rl.env!r}")
 
 
 def build_policy(cfg: Config, env: Environment) -> nn.Module:
@@ -72,6 +111,18 @@ def build_policy(cfg: Config, env: Environment) -> nn.Module:
             # vs 0.32 at 3e-3 after 300 steps)
             lr = 1e-2 if cfg.rl.policy == "gru" else 3e-3
             warmup(model, steps=cfg.rl.warmup_steps, seed=cfg.train.seed, lr=lr)
+        return model
+    if cfg.rl.env == "agent":
+        from cadenza.model import CausalLM, from_pretrained
+
+        torch.manual_seed(cfg.train.seed)
+        model = from_pretrained(cfg.rl.init_from) if cfg.rl.init_from else CausalLM(cfg.model)
+        vocab = env.fmt.vocab_size
+        if model.cfg.vocab_size < vocab:
+            raise ValueError(
+                f"the policy's vocab_size {model.cfg.vocab_size} is smaller than its tokenizer's "
+                f"{vocab}; set model.vocab_size={vocab} (or use a matching rl.init_from)"
+            )
         return model
     raise ValueError(f"rl.env: no policy builder for {cfg.rl.env!r}")
 
@@ -174,6 +225,7 @@ class RLTrainer:
             "teacher": self.teacher.state_dict() if self.teacher is not None else {},
             "ref": self.ref.state_dict() if self.ref is not None else {},
             "task_rng": self.rng.getstate(),
+            "env": self.env.state_dict() if hasattr(self.env, "state_dict") else {},
             "torch_rng": torch.get_rng_state(),
         }
         _atomic_save(state, self.ckpt_path)
@@ -189,6 +241,8 @@ class RLTrainer:
         if self.ref is not None and state["ref"]:
             self.ref.load_state_dict(state["ref"])
         self.rng.setstate(state["task_rng"])
+        if hasattr(self.env, "load_state_dict"):
+            self.env.load_state_dict(state.get("env", {}))
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         return True
