@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from agent_support import bpe_tokenizer, call
-from cadenza.agent.chat_format import CadenzaFormat, insert_message_before
+from cadenza.agent.chat_format import CadenzaFormat, insert_message_before, load_chat_format
 from cadenza.config import ConfigError, load_config
 from cadenza.config.agent import AgentConfig
 from cadenza.config.model import ModelConfig
-from cadenza.model import CausalLM, Generation
+from cadenza.model import CausalLM, Generation, from_pretrained
 from cadenza.rl.agent_env import AgentEnv, pick_tasks, reward_of
 from cadenza.rl.teacher import build_teacher_input
 from cadenza.train.rl_trainer import CKPT_NAME, RLTrainer, build_policy, run_rl_job
@@ -293,6 +293,11 @@ def test_run_rl_job_with_the_agent_env(store, tok, tmp_path):
     assert row["step"] == 1 and row["reward"] == 0.0 and row["episode_tokens"] > 0
     state = torch.load(tmp_path / "run" / CKPT_NAME, weights_only=False)
     assert state["env"] == {"position": 1}
+    # the trained policy exported for `cadenza serve` / eval / a next rl.init_from
+    policy = from_pretrained(tmp_path / "run" / "policy")
+    for n, w in trainer.model.state_dict().items():
+        torch.testing.assert_close(policy.state_dict()[n], w, atol=0, rtol=0)
+    assert isinstance(load_chat_format(tmp_path / "run" / "policy"), CadenzaFormat)
     small = load_config("tiny", [*args, "model.vocab_size=300"])
     with pytest.raises(ValueError, match=f"model.vocab_size={v}"):
         build_policy(small, trainer.env)

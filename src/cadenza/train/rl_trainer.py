@@ -303,16 +303,55 @@ def run_rl_job(
         trainer.load_checkpoint()
     if quiet:
         trainer.run(cfg.train.steps, on_step=on_step)
-        return trainer
-    every = max(cfg.train.log_every, 1)
-    with Progress(cfg.train.steps, trainer.step, every, description="rl") as progress:
+    else:
+        every = max(cfg.train.log_every, 1)
+        with Progress(cfg.train.steps, trainer.step, every, description="rl") as progress:
 
-        def each(m: dict) -> None:
-            progress.update(m["step"], m.get("loss", 0.0), m["episode_tokens"] / m["step_time_s"])
-            if m["step"] % every == 0:
-                progress.print(_progress_line(m))
-            if on_step is not None:
-                on_step(m)
+            def each(m: dict) -> None:
+                rate = m["episode_tokens"] / m["step_time_s"]
+                progress.update(m["step"], m.get("loss", 0.0), rate)
+                if m["step"] % every == 0:
+                    progress.print(_progress_line(m))
+                if on_step is not None:
+                    on_step(m)
 
-        trainer.run(cfg.train.steps, on_step=each)
+            trainer.run(cfg.train.steps, on_step=each)
+    if cfg.rl.env == "agent":
+        export_policy(cfg, trainer.model)
     return trainer
+
+
+def _tokenizer_files(cfg: Config) -> list[tuple[Path, str]]:
+    """(source, name in the export) of the policy's tokenizer files."""
+    if cfg.rl.init_from:
+        src = Path(cfg.rl.init_from)
+        names = ("tokenizer.json", "tokenizer_config.json")  # the latter: chat_template
+        return [(src / n, n) for n in names if (src / n).is_file()]
+    p = Path(cfg.tokenizer.path)
+    return [(p / "tokenizer.json" if p.is_dir() else p, "tokenizer.json")]
+
+
+def export_policy(cfg: Config, model: nn.Module) -> Path:
+    """`out_dir/policy`: the trained CausalLM as a Hugging Face directory with its tokenizer
+    (and chat template), what `cadenza serve` / `cadenza eval` / `rl.init_from` load.
+
+    Written to a temporary directory and renamed, so a reader sees the old or the new one."""
+    import shutil
+
+    from cadenza.model import save_pretrained
+
+    out = Path(cfg.train.out_dir)
+    dst, tmp, old = out / "policy", out / ".policy.tmp", out / ".policy.old"
+    for p in (tmp, old):
+        shutil.rmtree(p, ignore_errors=True)
+    try:
+        save_pretrained(model, tmp)
+        for src, name in _tokenizer_files(cfg):
+            shutil.copyfile(src, tmp / name)
+        if dst.exists():
+            os.rename(dst, old)
+        os.rename(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return dst
