@@ -17,7 +17,7 @@ from cadenza.agent.chat_format import CadenzaFormat, insert_message_before, load
 from cadenza.config import ConfigError, load_config
 from cadenza.config.agent import AgentConfig
 from cadenza.config.model import ModelConfig
-from cadenza.model import CausalLM, Generation, from_pretrained
+from cadenza.model import CausalLM, Generation, from_pretrained, generate
 from cadenza.rl.agent_env import AgentEnv, pick_tasks, reward_of
 from cadenza.rl.teacher import build_teacher_input
 from cadenza.train.rl_trainer import CKPT_NAME, RLTrainer, build_policy, run_rl_job
@@ -147,11 +147,20 @@ def test_rollout_with_the_sampler(store, tok, tmp_path):
     fmt = CadenzaFormat(tok)
     model = CausalLM(tiny_cfg(fmt.vocab_size))
     agent = AgentConfig(max_turns=2, max_new_tokens=6, unsafe_sandbox=unsafe())
-    env = AgentEnv(store, fmt, agent, temperature=0.7, tools=TOOLS, workdir=tmp_path)
-    tasks = env.sample_tasks(1, random.Random(0))
-    (group,) = env.rollout(model, tasks, 2, torch.Generator().manual_seed(0))
-    assert len(group) == 2 and env.position == 1
-    for ep in group:
+    batches = []
+
+    def counted(model, prompts, **kw):
+        batches.append(len(prompts))
+        return generate(model, prompts, **kw)
+
+    env = AgentEnv(
+        store, fmt, agent, temperature=0.7, tools=TOOLS, workdir=tmp_path, generate_fn=counted
+    )
+    tasks = env.sample_tasks(2, random.Random(0))  # the store's one task, twice
+    groups = env.rollout(model, tasks, 2, torch.Generator().manual_seed(0))
+    assert [len(g) for g in groups] == [2, 2] and env.position == 2
+    assert batches == [4, 4]  # one sampler call per turn for both groups
+    for ep in groups[0] + groups[1]:
         check_episode(ep, fmt, env, model, 0.7)
         assert len(ep.assistant_turns()) == 2  # nothing random is a call to submit
         assert ep.info["grade"]["resolved"] is False and ep.reward == 0.0

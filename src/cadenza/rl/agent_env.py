@@ -2,9 +2,9 @@
 
 Each step picks tasks from a store built by `cadenza tasks build` (round robin from a
 resumable position, or seeded sampling), runs G episodes per task with `EpisodeRunner` and
-`LocalPolicy` on the policy model itself (the cadenza sampler, batched over a group's live
-episodes), in the sandbox with the task's environment, and grades each final workspace
-with the task factory's grader:
+`LocalPolicy` on the policy model itself (the cadenza sampler, one batch per turn over the
+live episodes of all the step's groups), in the sandbox with the task's environment, and
+grades each final workspace with the task factory's grader:
 
     reward = resolved                               (rl.reward=resolved)
            | passed / (|FAIL_TO_PASS| + |PASS_TO_PASS|)   (pass_fraction)
@@ -206,13 +206,11 @@ class AgentEnv:
             self.workdir.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix="cadenza-rollout-", dir=self.workdir))
         try:
-            groups = []
-            for k, task in enumerate(tasks):
-                episodes = runner.run_group(task, group_size, root / f"g{k}")
+            dirs = [root / f"g{k}" for k in range(len(tasks))]  # a task may come twice
+            groups = runner.run_groups(tasks, group_size, dirs)
+            for task, episodes in zip(tasks, groups):
                 for ep in episodes:
                     self._set_reward(ep, task)
-                groups.append(episodes)
-                shutil.rmtree(root / f"g{k}", ignore_errors=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return groups
