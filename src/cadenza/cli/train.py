@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from cadenza.config import ConfigError, load_config
@@ -31,7 +33,8 @@ def train(
     try:
         run_job(cfg)
     except Interrupted as e:
-        typer.echo(f"{e}; continue with: cadenza train --resume (same config)", err=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; one says so
+            typer.echo(f"{e}; continue with: cadenza train --resume (same config)", err=True)
         raise typer.Exit(128 + e.signum) from e
     except (PretrainError, CheckpointError, CorpusError, TokenizerError) as e:
         typer.echo(f"error: {e}", err=True)

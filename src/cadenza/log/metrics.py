@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from cadenza.log.tensorboard import ScalarWriter
+
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -36,20 +38,37 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    """Append-only JSONL metrics file."""
+    """Append-only JSONL metrics file, mirrored as TensorBoard scalars (numeric fields, at
+    the record's `step`) in `tensorboard_dir` (default: `tensorboard/` beside the file;
+    None disables)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(
+        self, path: str | os.PathLike, tensorboard_dir: str | os.PathLike | None | bool = True
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if tensorboard_dir is True:
+            tensorboard_dir = self.path.parent / "tensorboard"
+        self._tb = ScalarWriter(tensorboard_dir) if tensorboard_dir else None
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({k: _clean(v) for k, v in record.items()}, separators=(",", ":"))
+        clean = {k: _clean(v) for k, v in record.items()}
+        line = json.dumps(clean, separators=(",", ":"))
         self._f.write(line + "\n")
         self._f.flush()
+        if self._tb is not None and isinstance(clean.get("step"), int):
+            scalars = {
+                k: float(v)
+                for k, v in clean.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            self._tb.write(clean["step"], scalars)
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

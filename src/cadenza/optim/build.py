@@ -180,8 +180,13 @@ class ModelOptimizer:
                 )
             if opt is not None:
                 opt.load_state_dict(state[key])
-        self.steps = int(state["steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.restore_counters(int(state["steps"]), int(state.get("skipped_steps", 0)))
+
+    def restore_counters(self, steps: int, skipped_steps: int = 0) -> None:
+        """Set the step counters (the schedule position) after the moments were loaded, e.g.
+        by torch.distributed.checkpoint, which restores each optimizer but not this wrapper."""
+        self.steps = int(steps)
+        self.skipped_steps = int(skipped_steps)
         # base lrs come from the config of this run, not the checkpoint's schedule position.
         for opt in self.optimizers:
             for g in opt.param_groups:

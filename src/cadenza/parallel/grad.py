@@ -81,7 +81,7 @@ def grad_norms_by_mesh(params: Iterable[torch.Tensor]) -> dict[str, torch.Tensor
             name = "x".join(key[0] or ("mesh",))
         else:
             name = "local"
-        out[name] = out.get(name, torch.zeros(())) + sq
+        out[name] = out[name] + sq if name in out else sq
     return out
 
 
@@ -91,7 +91,9 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     Works across any mix of meshes (dense and expert) and plain tensors.
     """
     params = [p for p in params if p.grad is not None]
-    total = torch.sqrt(sum(grad_norms_by_mesh(params).values(), torch.zeros(())))
+    norms = list(grad_norms_by_mesh(params).values())
+    # Sum on the gradients' device (CPU under gloo, the GPU under NCCL).
+    total = torch.sqrt(torch.stack(norms).sum()) if norms else torch.zeros(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -15,6 +15,11 @@ one bit for bit.
 
 SIGTERM and SIGINT stop the run after the current step, write a checkpoint and raise
 `Interrupted`; a second SIGINT aborts at once.
+
+Under torchrun with `parallel.*` settings the same loop runs on every rank, sharded by
+cadenza.parallel (see train/distributed.py); checkpoints are then DCP shards
+(train/distributed_checkpoint.py) and the last one also holds the whole model in
+Hugging Face format.
 """
 
 from __future__ import annotations
@@ -43,9 +48,17 @@ from cadenza.log.progress import Progress
 from cadenza.model import CausalLM, generate
 from cadenza.model.tokenizer import Tokenizer, read_texts, train_tokenizer
 from cadenza.optim import build_optimizer
+from cadenza.parallel import LayoutError
 from cadenza.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cadenza.train.corpus import corpus_files
 from cadenza.train.data import CorpusData, build_corpus_data
+from cadenza.train.distributed import LayoutMismatch, ParallelJob, start
+from cadenza.train.distributed_checkpoint import (
+    is_distributed_checkpoint,
+    load_distributed_checkpoint,
+    read_distributed_checkpoint,
+    save_distributed_checkpoint,
+)
 
 TOKENIZER_DIR = "tokenizer"
 METRICS_FILE = "metrics.jsonl"
@@ -240,12 +253,56 @@ def generate_sample(
 
 
 def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainResult:
-    """Run (or resume, with cfg.train.resume) the pretraining job described by `cfg`."""
+    """Run (or resume, with cfg.train.resume) the pretraining job described by `cfg`.
+
+    Under torchrun (or in a process group the caller set up) every rank calls this."""
+    try:
+        job = start(cfg)
+    except (LayoutError, LayoutMismatch) as e:
+        hint = (
+            "" if "WORLD_SIZE" in os.environ
+            else "; this is one process: for several, launch with torchrun --nproc-per-node N "
+            "-m cadenza.cli.main train ..."
+        )  # fmt: skip
+        raise PretrainError(f"parallel layout: {e}{hint}") from e
+    try:
+        return _pretrain(cfg, job, log)
+    finally:
+        if job is not None:
+            job.close()
+
+
+class _Silent:
+    """Progress bar and metrics file of ranks other than 0."""
+
+    def __enter__(self) -> _Silent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def update(self, *args: Any) -> None:
+        pass
+
+    def print(self, message: str) -> None:
+        pass
+
+
+def _pretrain(
+    cfg: Config, job: ParallelJob | None, log: Callable[[str], None] | None
+) -> PretrainResult:
     tcfg = cfg.train
     out = Path(tcfg.out_dir)
-    torch.set_num_threads(tcfg.threads if tcfg.threads > 0 else cpu_count())
+    main = job is None or job.is_main
+    local_ranks = job.local_world_size if job is not None else 1
+    torch.set_num_threads(tcfg.threads if tcfg.threads > 0 else max(1, cpu_count() // local_ranks))
     say = log or (lambda msg: print(msg, flush=True))
-    existing = latest_checkpoint(out)
+    if not main:
+        say = lambda msg: None  # noqa: E731
+    existing = latest_checkpoint(out) if main or tcfg.resume else None
 
     state: dict[str, Any] | None = None
     if tcfg.resume:
@@ -254,7 +311,21 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 f"--resume: no checkpoint under {out / 'checkpoints'}; run without --resume "
                 "to start, or point train.out_dir at the run to continue"
             )
-        loaded, tokenizer, state = load_checkpoint(existing)
+        if job is None and is_distributed_checkpoint(existing):
+            raise PretrainError(
+                f"--resume: {existing} was written by a distributed run (DCP shards); resume it "
+                "under torchrun (any world size and layout), e.g. torchrun --nproc-per-node 2 "
+                "-m cadenza.cli.main train --resume ..."
+            )
+        if job is not None and not is_distributed_checkpoint(existing):
+            raise PretrainError(
+                f"--resume: {existing} was written by a single-process run; resume it in one "
+                "process (cadenza train --resume, without torchrun)"
+            )
+        if job is None:
+            loaded, tokenizer, state = load_checkpoint(existing)
+        else:
+            tokenizer, state = read_distributed_checkpoint(existing)
         diff = _config_diff(
             {k: state["config"].get(k) for k in RESUME_SECTIONS},
             {k: to_dict(getattr(cfg, k)) for k in RESUME_SECTIONS},
@@ -266,7 +337,7 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 "tokenizer and data settings, or start a fresh run in another train.out_dir"
             )
         say(f"resuming from {existing} (step {state['step']})")
-    else:
+    elif main:  # one process prepares the run directory and the tokenizer
         given = Tokenizer.from_file(cfg.tokenizer.path) if cfg.tokenizer.path else None
         if existing is not None or (out / METRICS_FILE).exists():
             aside = move_aside(out)
@@ -275,6 +346,10 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 shutil.copytree(aside / TOKENIZER_DIR, out / TOKENIZER_DIR)
         out.mkdir(parents=True, exist_ok=True)
         tokenizer = given or obtain_tokenizer(cfg, out, say)
+    if job is not None and not tcfg.resume:
+        job.barrier()  # rank 0's tokenizer is on disk: the others load it
+        if not main:
+            tokenizer = Tokenizer.from_file(cfg.tokenizer.path or out / TOKENIZER_DIR)
 
     model_cfg = model_config_for(cfg.model, tokenizer)
     data = load_corpus(cfg, tokenizer)
@@ -287,8 +362,11 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
 
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
-    model = CausalLM(model_cfg)
+    model = CausalLM(model_cfg)  # the same full model on every rank, then sharded
     model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    if job is not None:
+        model = job.parallelize(model, cfg)
     optimizer = build_optimizer(model, cfg)
     step, position = 0, 0
     if state is not None:
@@ -297,25 +375,38 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 f"--resume: the corpus tokenizes differently than when {existing} was "
                 "written (files changed?); resume on the same corpus or start a fresh run"
             )
-        model.load_state_dict(loaded.state_dict())
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise PretrainError(f"--resume from {existing}: optimizer state: {e}") from e
+        if job is None:
+            model.load_state_dict(loaded.state_dict())
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError) as e:
+                raise PretrainError(f"--resume from {existing}: optimizer state: {e}") from e
+            del loaded
+        else:
+            load_distributed_checkpoint(existing, model, optimizer, state)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         step, position = state["step"], state["data_position"]
-        truncate_after(out / METRICS_FILE, step)
-        del loaded
+        if main:
+            truncate_after(out / METRICS_FILE, step)
 
-    n_params = sum(p.numel() for p in model.parameters())
-    say(f"model: {n_params / 1e6:.2f}M parameters; threads {torch.get_num_threads()}")
+    ranks = f"; {job.world_size} ranks" if job is not None else ""
+    say(f"model: {n_params / 1e6:.2f}M parameters; threads {torch.get_num_threads()}{ranks}")
     eval_set = data.val.eval_batches(tcfg.eval_batches)
 
     def trainer_state(loss: float | None, val: float | None) -> dict[str, Any]:
+        if job is not None:  # the moments go to DCP, sharded
+            opt = {
+                "optimizer_counters": {
+                    "steps": optimizer.steps,
+                    "skipped_steps": optimizer.skipped_steps,
+                }
+            }
+        else:
+            opt = {"optimizer": optimizer.state_dict()}
         return {
             "data_position": position,
-            "optimizer": optimizer.state_dict(),
+            **opt,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "model_config": to_dict(model_cfg),
             "config": to_dict(cfg),
@@ -324,21 +415,49 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
             "val_loss": val,
         }
 
+    whole: list[nn.Module | None] = []  # the gathered model of a distributed run's last step
+
+    def full_model() -> nn.Module | None:
+        if not whole:
+            whole.append(job.full_model(model, model_cfg))
+        return whole[0]
+
+    def save(loss: float | None, val: float | None) -> Path:
+        if job is None:
+            return save_checkpoint(
+                out, step, model, tokenizer, trainer_state(loss, val), keep=tcfg.keep_checkpoints
+            )
+        return save_distributed_checkpoint(
+            job, out, step, model, optimizer, tokenizer, trainer_state(loss, val),
+            keep=tcfg.keep_checkpoints,
+            hf_model=full_model() if step == tcfg.steps else None,
+        )  # fmt: skip
+
+    def evaluate_all() -> float:
+        return evaluate(model, eval_set) if job is None else job.evaluate(model, eval_set)
+
+    def stop_signal(stop: StopSignals) -> int | None:
+        return stop.signum if job is None else job.stop_signal(stop.signum)
+
     ckpt: Path | None = existing if state is not None else None
     first_loss = loss_value = val_loss = None
     saved_step = step if state is not None else -1
     with (
-        MetricsWriter(out / METRICS_FILE) as metrics,
+        MetricsWriter(out / METRICS_FILE) if main else _Silent() as metrics,
         StopSignals() as stop,
-        Progress(tcfg.steps, start=step, every=tcfg.log_every) as bar,
+        Progress(tcfg.steps, start=step, every=tcfg.log_every) if main else _Silent() as bar,
     ):
         tps_avg = 0.0
-        while step < tcfg.steps and stop.signum is None:
+        while step < tcfg.steps and stop_signal(stop) is None:
             t0 = time.perf_counter()
             lrs = optimizer.lrs
             inputs, targets = data.train.batch(position)
-            loss = lm_loss(model, inputs, targets)
-            loss_value = loss.item()
+            if job is None:
+                loss = lm_loss(model, inputs, targets)
+                loss_value = loss.item()
+            else:  # this rank's share; the sum over ranks is the global mean
+                loss = job.loss(model, inputs, targets)
+                loss_value = job.total(loss)
             if not math.isfinite(loss_value):
                 raise PretrainError(
                     f"loss is {loss_value} at step {step + 1}; lower optim.lr (now {cfg.optim.lr}) "
@@ -347,7 +466,11 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+            if job is None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+            else:
+                grad_norm = job.clip_grad_norm_(model.parameters(), clip)
+                job.sync_model_stats(model)  # global expert loads and max logits
             if not optimizer.step():  # optim.nonfinite=skip: a counted skip
                 bar.print(f"step {step + 1}: non-finite gradient, update skipped")
             model.update_router_biases()  # aux-loss-free balancing from this step's loads
@@ -368,33 +491,32 @@ def pretrain(cfg: Config, log: Callable[[str], None] | None = None) -> PretrainR
                 "epoch": data.train.epoch_of(position),
             }
             if step % tcfg.eval_every == 0 or step == tcfg.steps:
-                val_loss = evaluate(model, eval_set)
+                val_loss = evaluate_all()
                 record["val_loss"] = val_loss
                 bar.print(f"step {step}: train loss {loss_value:.4f}, val loss {val_loss:.4f}")
             metrics.write(record)
             bar.update(step, loss_value, tps_avg)
             if step % tcfg.ckpt_every == 0 or step == tcfg.steps:
-                ckpt = save_checkpoint(
-                    out, step, model, tokenizer, trainer_state(loss_value, val_loss),
-                    keep=tcfg.keep_checkpoints,
-                )  # fmt: skip
+                ckpt = save(loss_value, val_loss)
                 saved_step = step
-        if stop.signum is not None:
+        signum = stop_signal(stop)
+        if signum is not None:
             if step > 0 and saved_step != step:
-                ckpt = save_checkpoint(
-                    out, step, model, tokenizer, trainer_state(loss_value, val_loss),
-                    keep=tcfg.keep_checkpoints,
-                )  # fmt: skip
-            raise Interrupted(stop.signum, step, ckpt if step > 0 else None)
+                ckpt = save(loss_value, val_loss)
+            raise Interrupted(signum, step, ckpt if step > 0 else None)
 
     if val_loss is None:
-        val_loss = evaluate(model, eval_set)
+        val_loss = evaluate_all()
     sample = None
     if tcfg.sample_tokens > 0 and tcfg.sample_prompt:
-        sample = generate_sample(
-            model, tokenizer, tcfg.sample_prompt, tcfg.sample_tokens, tcfg.seed
-        )
-        (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
-        say(f"sample (temperature 0.8, top-p 0.95):\n{sample}")
+        # A distributed run samples on rank 0 from the gathered model (the KV-cache decoder
+        # is single-process code).
+        sampler = model if job is None else full_model()
+        if sampler is not None:
+            sample = generate_sample(
+                sampler, tokenizer, tcfg.sample_prompt, tcfg.sample_tokens, tcfg.seed
+            )
+            (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+            say(f"sample (temperature 0.8, top-p 0.95):\n{sample}")
     say(f"done: step {step}, val loss {val_loss:.4f}, checkpoint {ckpt}")
     return PretrainResult(step, first_loss, loss_value, val_loss, ckpt, sample)
