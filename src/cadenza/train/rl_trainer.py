@@ -47,7 +47,7 @@ from cadenza.rl.feedback_loss import empty_hint_self_test
 from cadenza.rl.objective import episode_metrics, rl_objective
 from cadenza.rl.rollout import Environment
 from cadenza.rl.teacher import Teacher
-from cadenza.train.pretrain import Interrupted, StopSignals
+from cadenza.train.pretrain import Interrupted, PretrainError, StopSignals
 
 CKPT_NAME = "rl_checkpoint.pt"
 
@@ -288,16 +288,19 @@ def run_rl_job(
     torch.manual_seed(cfg.train.seed)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
-    env = build_env(cfg)
-    resuming = cfg.train.resume and (Path(cfg.train.out_dir) / CKPT_NAME).is_file()
-    if resuming:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        # weights come from the checkpoint: skip the warm-up
-        cfg_model = replace(cfg, rl=replace(cfg.rl, warmup_steps=0))
-        model = build_policy(cfg_model, env)
-    else:
-        model = build_policy(cfg, env)
+    from cadenza.tasks.errors import TaskError
+
+    resuming = cfg.train.resume and (Path(cfg.train.out_dir) / CKPT_NAME).is_file()
+    try:
+        env = build_env(cfg)
+        # on resume the weights come from the checkpoint: skip the warm-up
+        model = build_policy(
+            replace(cfg, rl=replace(cfg.rl, warmup_steps=0)) if resuming else cfg, env
+        )
+    except (ValueError, TaskError) as e:  # a bad store, tokenizer or checkpoint: say so, no trace
+        raise PretrainError(f"rl.env={cfg.rl.env}: {e}") from e
     trainer = RLTrainer(cfg, model, env)
     if resuming:
         trainer.load_checkpoint()
