@@ -167,7 +167,7 @@ def test_rollout_with_the_sampler(store, tok, tmp_path):
     assert not list(tmp_path.iterdir())  # workspaces removed
 
 
-def forced_generate(tok, scripts, temperature=1.0):
+def forced_generate(tok, scripts):
     """A generate_fn that emits scripted replies (episode e's reply at turn t) and records
     the policy model's own logprobs of them (a full forward): an on-policy record of
     off-distribution text, so a random tiny model makes the calls the test needs."""
