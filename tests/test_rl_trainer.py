@@ -133,5 +133,5 @@ def test_cli_train_mode_rl(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert [m["step"] for m in _metrics(out)] == [1, 2]
-    with pytest.raises(ConfigError, match=r"rl.env: expected one of \['toy'\]"):
+    with pytest.raises(ConfigError, match=r"rl.env: expected one of \['toy', 'agent'\]"):
         load_config("tiny", ["train.mode=rl", "rl.env=nope"])

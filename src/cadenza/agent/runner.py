@@ -350,9 +350,22 @@ class EpisodeRunner:
     # --- a group ---
     def run_group(self, task: AgentTask, n: int, workdir: Path) -> list[Episode]:
         """`n` episodes of `task` (workspaces under `workdir`), graded."""
-        workdir = Path(workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        lives = [self._start(task, i, workdir) for i in range(n)]
+        return self.run_groups([task], n, [workdir])[0]
+
+    def run_groups(
+        self, tasks: Sequence[AgentTask], n: int, workdirs: Sequence[Path]
+    ) -> list[list[Episode]]:
+        """`n` episodes of each task (task k's workspaces under `workdirs[k]`), graded.
+
+        One `policy.generate` call per turn serves the live episodes of every group (an RL
+        step's tasks x G episodes batch together on the local sampler)."""
+        if len(workdirs) != len(tasks):
+            raise ValueError(f"{len(tasks)} tasks but {len(workdirs)} workdirs; give one each")
+        starts = []
+        for task, workdir in zip(tasks, workdirs):
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+            starts += [(task, i, Path(workdir)) for i in range(n)]
+        lives = [self._start(*s) for s in starts]
         while True:
             batch = []
             for live in lives:
@@ -376,8 +389,10 @@ class EpisodeRunner:
                 lambda pair: self._step(*pair),
                 [(live, out) for (live, _), out in zip(batch, outputs)],
             )
-        self._each(lambda live: self._grade(task, live), lives)
-        return [live.ep for live in lives]
+        self._each(
+            lambda pair: self._grade(*pair), [(s[0], live) for s, live in zip(starts, lives)]
+        )
+        return [[live.ep for live in lives[k * n : (k + 1) * n]] for k in range(len(tasks))]
 
     def _each(self, fn: Callable[[Any], None], items: list[Any]) -> None:
         workers = min(self.cfg.tool_workers, len(items))

@@ -38,7 +38,7 @@ class FeedbackConfig:
 
 @dataclass
 class RLConfig:
-    env: str = "toy"  # "toy" (synthetic tool-use task); the agent harness is not wired yet
+    env: str = "toy"  # "toy" (synthetic tool-use task) | "agent" (agent harness on tasks_dir)
     policy: str = "gru"  # toy env: "gru" (ToyPolicy) | "causal_lm" (a micro cadenza CausalLM)
     group_size: int = 8  # G episodes per task
     tasks_per_step: int = 8
@@ -56,9 +56,24 @@ class RLConfig:
     max_context: int = 2048  # hinted teacher sequences longer than this are skipped
     warmup_steps: int = 300  # toy env: supervised warm-up of the fresh policy before RL
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    # env=agent (rl/agent_env.py): tasks from a store built by `cadenza tasks build`
+    tasks_dir: str = ""
+    task_order: str = "round_robin"  # "round_robin" (resumable position) | "random" (seeded)
+    reward: str = "resolved"  # "resolved" | "pass_fraction" | "fail_to_pass_fraction"
+    # the policy: a checkpoint dir (config.json, *.safetensors, tokenizer.json), else a fresh
+    # model.* with tokenizer.path
+    init_from: str = ""
+    tools: list[str] = field(default_factory=list)  # agent tools offered; empty: all
 
     def __post_init__(self) -> None:
-        _check("rl.env", self.env, ("toy",))
+        _check("rl.env", self.env, ("toy", "agent"))
+        _check("rl.task_order", self.task_order, ("round_robin", "random"))
+        _check("rl.reward", self.reward, ("resolved", "pass_fraction", "fail_to_pass_fraction"))
+        if self.env == "agent" and not self.tasks_dir:
+            raise ValueError(
+                "rl.env=agent needs rl.tasks_dir=DIR, a task store built by "
+                "`cadenza tasks build SOURCE --out DIR`"
+            )
         _check("rl.policy", self.policy, ("gru", "causal_lm"))
         _check("rl.optimizer", self.optimizer, ("adamw", "muon"))
         _check("rl.aggregation", self.aggregation, ("token-mean", "seq-mean", "constant"))

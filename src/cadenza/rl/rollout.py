@@ -7,8 +7,11 @@ the hidden patch for the answer-leak filter). `render_hint` turns a hint's text 
 tokens of a whole message inserted at the boundary before the target turn, in the
 environment's chat format.
 
-Implementations: `rl.toy_env.ToyEnv` (synthetic tool-use task, seconds on a CPU). The agent
-harness environment (cadenza.agent.run_group over the task store) is not wired yet.
+An environment with a position of its own (which task comes next) also offers
+`state_dict()` / `load_state_dict(state)`; the trainer checkpoints it.
+
+Implementations: `rl.toy_env.ToyEnv` (synthetic tool-use task, seconds on a CPU) and
+`rl.agent_env.AgentEnv` (the agent harness on a task store, graded by the task factory).
 """
 
 from __future__ import annotations

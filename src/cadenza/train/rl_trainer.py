@@ -18,9 +18,12 @@ then rename). SIGTERM/SIGINT finish the step in flight, checkpoint, and raise
 per step in `out_dir/metrics.jsonl` (cadenza.log.metrics); on resume, lines past the
 checkpoint are dropped so the file reads as one uninterrupted run.
 
+The checkpoint also holds the environment's own position (`env.state_dict()`, e.g. the
+agent env's round-robin index into the task store) when it has one.
+
 The checkpoint is a single torch file rather than cadenza.train.checkpoint's Hugging Face
 directory because the toy policy is not a CausalLM (that format needs save_pretrained and a
-tokenizer); the agent environment with a CausalLM policy should use the shared format.
+tokenizer); with the agent environment the policy is a CausalLM and the same file is used.
 """
 
 from __future__ import annotations
@@ -44,9 +47,31 @@ from cadenza.rl.feedback_loss import empty_hint_self_test
 from cadenza.rl.objective import episode_metrics, rl_objective
 from cadenza.rl.rollout import Environment
 from cadenza.rl.teacher import Teacher
-from cadenza.train.pretrain import Interrupted, StopSignals
+from cadenza.train.pretrain import Interrupted, PretrainError, StopSignals
 
 CKPT_NAME = "rl_checkpoint.pt"
+
+
+def _agent_format(cfg: Config):
+    """The agent env's chat format and the policy's model config (rl.init_from or model.*)."""
+    from cadenza.agent.chat_format import CadenzaFormat, load_chat_format
+    from cadenza.model import load_config
+
+    if cfg.rl.init_from:
+        path = Path(cfg.rl.init_from)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(
+                f"rl.init_from={cfg.rl.init_from!r}: expected a checkpoint directory with "
+                "config.json, *.safetensors and tokenizer.json (a `cadenza train` checkpoint, "
+                "e.g. runs/tiny/checkpoints/step_00000300)"
+            )
+        return load_chat_format(path), load_config(path)
+    if not cfg.tokenizer.path:
+        raise ValueError(
+            "rl.env=agent needs a policy with a tokenizer: set rl.init_from=CHECKPOINT_DIR, or "
+            "tokenizer.path=tokenizer.json for a fresh model.* policy"
+        )
+    return CadenzaFormat(cfg.tokenizer.path), cfg.model
 
 
 def build_env(cfg: Config) -> Environment:
@@ -54,10 +79,24 @@ def build_env(cfg: Config) -> Environment:
         from cadenza.rl.toy_env import ToyEnv
 
         return ToyEnv(temperature=cfg.rl.temperature, max_context=cfg.rl.max_context)
-    raise ValueError(
-        f"rl.env: expected 'toy', found {cfg.rl.env!r} (the agent-harness environment "
-        "is not wired yet)"
-    )
+    if cfg.rl.env == "agent":
+        from dataclasses import replace
+
+        from cadenza.rl.agent_env import AgentEnv
+
+        fmt, model_cfg = _agent_format(cfg)
+        # an episode never outgrows the positions the policy was built for
+        limit = min(cfg.agent.max_context, model_cfg.max_position_embeddings)
+        return AgentEnv(
+            cfg.rl.tasks_dir,
+            fmt,
+            replace(cfg.agent, max_context=limit),
+            temperature=cfg.rl.temperature,
+            order=cfg.rl.task_order,
+            reward=cfg.rl.reward,
+            tools=cfg.rl.tools,
+        )
+    raise ValueError(f"rl.env: expected 'toy' or 'agent', found {cfg.rl.env!r}")
 
 
 def build_policy(cfg: Config, env: Environment) -> nn.Module:
@@ -72,6 +111,18 @@ def build_policy(cfg: Config, env: Environment) -> nn.Module:
             # vs 0.32 at 3e-3 after 300 steps)
             lr = 1e-2 if cfg.rl.policy == "gru" else 3e-3
             warmup(model, steps=cfg.rl.warmup_steps, seed=cfg.train.seed, lr=lr)
+        return model
+    if cfg.rl.env == "agent":
+        from cadenza.model import CausalLM, from_pretrained
+
+        torch.manual_seed(cfg.train.seed)
+        model = from_pretrained(cfg.rl.init_from) if cfg.rl.init_from else CausalLM(cfg.model)
+        vocab = env.fmt.vocab_size
+        if model.cfg.vocab_size < vocab:
+            raise ValueError(
+                f"the policy's vocab_size {model.cfg.vocab_size} is smaller than its tokenizer's "
+                f"{vocab}; set model.vocab_size={vocab} (or use a matching rl.init_from)"
+            )
         return model
     raise ValueError(f"rl.env: no policy builder for {cfg.rl.env!r}")
 
@@ -174,6 +225,7 @@ class RLTrainer:
             "teacher": self.teacher.state_dict() if self.teacher is not None else {},
             "ref": self.ref.state_dict() if self.ref is not None else {},
             "task_rng": self.rng.getstate(),
+            "env": self.env.state_dict() if hasattr(self.env, "state_dict") else {},
             "torch_rng": torch.get_rng_state(),
         }
         _atomic_save(state, self.ckpt_path)
@@ -189,6 +241,8 @@ class RLTrainer:
         if self.ref is not None and state["ref"]:
             self.ref.load_state_dict(state["ref"])
         self.rng.setstate(state["task_rng"])
+        if hasattr(self.env, "load_state_dict"):
+            self.env.load_state_dict(state.get("env", {}))
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         return True
@@ -234,31 +288,73 @@ def run_rl_job(
     torch.manual_seed(cfg.train.seed)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
-    env = build_env(cfg)
-    resuming = cfg.train.resume and (Path(cfg.train.out_dir) / CKPT_NAME).is_file()
-    if resuming:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        # weights come from the checkpoint: skip the warm-up
-        cfg_model = replace(cfg, rl=replace(cfg.rl, warmup_steps=0))
-        model = build_policy(cfg_model, env)
-    else:
-        model = build_policy(cfg, env)
+    from cadenza.tasks.errors import TaskError
+
+    resuming = cfg.train.resume and (Path(cfg.train.out_dir) / CKPT_NAME).is_file()
+    try:
+        env = build_env(cfg)
+        # on resume the weights come from the checkpoint: skip the warm-up
+        model = build_policy(
+            replace(cfg, rl=replace(cfg.rl, warmup_steps=0)) if resuming else cfg, env
+        )
+    except (ValueError, TaskError) as e:  # a bad store, tokenizer or checkpoint: say so, no trace
+        raise PretrainError(f"rl.env={cfg.rl.env}: {e}") from e
     trainer = RLTrainer(cfg, model, env)
     if resuming:
         trainer.load_checkpoint()
     if quiet:
         trainer.run(cfg.train.steps, on_step=on_step)
-        return trainer
-    every = max(cfg.train.log_every, 1)
-    with Progress(cfg.train.steps, trainer.step, every, description="rl") as progress:
+    else:
+        every = max(cfg.train.log_every, 1)
+        with Progress(cfg.train.steps, trainer.step, every, description="rl") as progress:
 
-        def each(m: dict) -> None:
-            progress.update(m["step"], m.get("loss", 0.0), m["episode_tokens"] / m["step_time_s"])
-            if m["step"] % every == 0:
-                progress.print(_progress_line(m))
-            if on_step is not None:
-                on_step(m)
+            def each(m: dict) -> None:
+                rate = m["episode_tokens"] / m["step_time_s"]
+                progress.update(m["step"], m.get("loss", 0.0), rate)
+                if m["step"] % every == 0:
+                    progress.print(_progress_line(m))
+                if on_step is not None:
+                    on_step(m)
 
-        trainer.run(cfg.train.steps, on_step=each)
+            trainer.run(cfg.train.steps, on_step=each)
+    if cfg.rl.env == "agent":
+        export_policy(cfg, trainer.model)
     return trainer
+
+
+def _tokenizer_files(cfg: Config) -> list[tuple[Path, str]]:
+    """(source, name in the export) of the policy's tokenizer files."""
+    if cfg.rl.init_from:
+        src = Path(cfg.rl.init_from)
+        names = ("tokenizer.json", "tokenizer_config.json")  # the latter: chat_template
+        return [(src / n, n) for n in names if (src / n).is_file()]
+    p = Path(cfg.tokenizer.path)
+    return [(p / "tokenizer.json" if p.is_dir() else p, "tokenizer.json")]
+
+
+def export_policy(cfg: Config, model: nn.Module) -> Path:
+    """`out_dir/policy`: the trained CausalLM as a Hugging Face directory with its tokenizer
+    (and chat template), what `cadenza serve` / `cadenza eval` / `rl.init_from` load.
+
+    Written to a temporary directory and renamed, so a reader sees the old or the new one."""
+    import shutil
+
+    from cadenza.model import save_pretrained
+
+    out = Path(cfg.train.out_dir)
+    dst, tmp, old = out / "policy", out / ".policy.tmp", out / ".policy.old"
+    for p in (tmp, old):
+        shutil.rmtree(p, ignore_errors=True)
+    try:
+        save_pretrained(model, tmp)
+        for src, name in _tokenizer_files(cfg):
+            shutil.copyfile(src, tmp / name)
+        if dst.exists():
+            os.rename(dst, old)
+        os.rename(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return dst
