@@ -95,11 +95,18 @@ def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of x [M, in] sorted by group, `counts` [E] rows per group: row r of group e maps to
     x[r] @ w[e].T with w [E, out, in]. One grouped matmul, no loop over groups."""
+    E = w.shape[0]
+    if x.shape[0] <= E and not torch.is_grad_enabled():
+        # Decoding: fewer rows than experts. The CPU grouped kernel runs one matmul per
+        # group; gathering each row's expert weights and one batched matmul is cheaper.
+        group = torch.repeat_interleave(
+            torch.arange(E, device=x.device), counts, output_size=x.shape[0]
+        )
+        return torch.bmm(w[group], x[:, :, None])[:, :, 0]
     if _use_grouped_mm(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     # Fallback: scatter into a [E, max_count, in] batch padded with zeros, one bmm.
-    E = w.shape[0]
     group = torch.repeat_interleave(
         torch.arange(E, device=x.device), counts, output_size=x.shape[0]
     )
