@@ -115,6 +115,36 @@ def _what_to_do(path: Path) -> str:
     )
 
 
+def read_state_and_tokenizer(
+    p: Path, keys: tuple[str, ...], expected: str
+) -> tuple[Tokenizer, dict[str, Any]]:
+    """The checked trainer state (with `keys`, in this cadenza's format) and tokenizer of a
+    checkpoint directory; `expected` names the kind of state in errors."""
+    try:
+        state = torch.load(p / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {p}: {STATE_FILE} cannot be read ({type(e).__name__}: {e}); "
+            f"{_what_to_do(p)}"
+        ) from e
+    absent = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if absent:
+        raise CheckpointError(
+            f"checkpoint {p}: {STATE_FILE} lacks {absent} (expected {expected}, "
+            f"format {FORMAT_VERSION}); {_what_to_do(p)}"
+        )
+    if state["format"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {p}: trainer state format {state['format']}, this cadenza reads "
+            f"format {FORMAT_VERSION}; start a fresh run"
+        )
+    try:
+        tokenizer = Tokenizer.from_file(p / "tokenizer.json")
+    except TokenizerError as e:
+        raise CheckpointError(f"checkpoint {p}: {e}; {_what_to_do(p)}") from e
+    return tokenizer, state
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, Tokenizer, dict[str, Any]]:
     """(model, tokenizer, trainer state) of a checkpoint directory, each checked."""
     p = Path(path)
@@ -127,28 +157,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, Tokenizer, dict
         raise CheckpointError(
             f"checkpoint {p} is incomplete: missing {', '.join(missing)}; {_what_to_do(p)}"
         )
-    try:
-        state = torch.load(p / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {p}: {STATE_FILE} cannot be read ({type(e).__name__}: {e}); "
-            f"{_what_to_do(p)}"
-        ) from e
-    absent = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
-    if absent:
-        raise CheckpointError(
-            f"checkpoint {p}: {STATE_FILE} lacks {absent} (expected a cadenza trainer state, "
-            f"format {FORMAT_VERSION}); {_what_to_do(p)}"
-        )
-    if state["format"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {p}: trainer state format {state['format']}, this cadenza reads "
-            f"format {FORMAT_VERSION}; start a fresh run"
-        )
-    try:
-        tokenizer = Tokenizer.from_file(p / "tokenizer.json")
-    except TokenizerError as e:
-        raise CheckpointError(f"checkpoint {p}: {e}; {_what_to_do(p)}") from e
+    tokenizer, state = read_state_and_tokenizer(p, STATE_KEYS, "a cadenza trainer state")
     try:
         model = from_pretrained(p)
     except Exception as e:  # CheckpointError from hf_io, or safetensors' own errors

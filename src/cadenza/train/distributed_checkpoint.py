@@ -29,14 +29,16 @@ import torch
 from torch import nn
 
 from cadenza.model import CheckpointError, save_pretrained
-from cadenza.model.tokenizer import Tokenizer, TokenizerError
+from cadenza.model.tokenizer import Tokenizer
 from cadenza.parallel import checkpoint as dcp_checkpoint
 from cadenza.train.checkpoint import (
     CHECKPOINTS,
     FORMAT_VERSION,
     STATE_FILE,
+    _what_to_do,
     checkpoint_dir,
     list_checkpoints,
+    read_state_and_tokenizer,
 )
 
 DCP_DIR = "dcp"
@@ -102,13 +104,6 @@ def save_distributed_checkpoint(
     return final
 
 
-def _what_to_do(path: Path) -> str:
-    return (
-        f"delete {path} to resume from the checkpoint before it, or start a fresh run "
-        "without --resume (in an empty train.out_dir)"
-    )
-
-
 def read_distributed_checkpoint(path: str | os.PathLike) -> tuple[Tokenizer, dict[str, Any]]:
     """(tokenizer, trainer state) of a distributed checkpoint, each checked."""
     p = Path(path)
@@ -119,29 +114,7 @@ def read_distributed_checkpoint(path: str | os.PathLike) -> tuple[Tokenizer, dic
         raise CheckpointError(
             f"checkpoint {p} is incomplete: missing {', '.join(missing)}; {_what_to_do(p)}"
         )
-    try:
-        state = torch.load(p / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {p}: {STATE_FILE} cannot be read ({type(e).__name__}: {e}); "
-            f"{_what_to_do(p)}"
-        ) from e
-    absent = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
-    if absent:
-        raise CheckpointError(
-            f"checkpoint {p}: {STATE_FILE} lacks {absent} (expected the trainer state of a "
-            f"distributed cadenza run, format {FORMAT_VERSION}); {_what_to_do(p)}"
-        )
-    if state["format"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {p}: trainer state format {state['format']}, this cadenza reads "
-            f"format {FORMAT_VERSION}; start a fresh run"
-        )
-    try:
-        tokenizer = Tokenizer.from_file(p / "tokenizer.json")
-    except TokenizerError as e:
-        raise CheckpointError(f"checkpoint {p}: {e}; {_what_to_do(p)}") from e
-    return tokenizer, state
+    return read_state_and_tokenizer(p, STATE_KEYS, "the trainer state of a distributed cadenza run")
 
 
 def load_distributed_checkpoint(
