@@ -27,7 +27,8 @@ from cadenza.train.pretrain import PretrainError, pretrain
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-TINIER = [
+# A model and data small enough for seconds per run (shared with the distributed tests).
+TINY_MODEL_AND_DATA = [
     "model.vocab_size=512",
     "model.hidden_size=32",
     "model.intermediate_size=64",
@@ -45,6 +46,9 @@ TINIER = [
     "data.seq_len=32",
     "data.batch_size=4",
     "data.val_fraction=0.1",
+]
+TINIER = [
+    *TINY_MODEL_AND_DATA,
     f"train.steps={STEPS}",
     "optim.warmup_steps=5",
     "optim.lr=0.01",

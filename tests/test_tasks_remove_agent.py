@@ -29,34 +29,7 @@ from cadenza.tasks.scrub import copy_files
 from cadenza.tasks.source import default_cache_dir, import_root, library_files, resolve, whitelist
 from cadenza.tasks.store import read_tasks
 from cadenza.tasks.testrun import run_tests
-
-CORE = '''"""Arithmetic."""
-
-__all__ = ["add", "clamp", "scale"]
-
-
-def _check_pair(a, b):
-    for x in (a, b):
-        if not isinstance(x, (int, float)):
-            raise TypeError(f"expected a number, got {x!r}")
-
-
-def add(a, b):
-    """Sum of two numbers; TypeError for anything else."""
-    _check_pair(a, b)
-    return a + b
-
-
-def clamp(x, lo, hi):
-    """x limited to [lo, hi]."""
-    if lo > hi:
-        raise ValueError("lo > hi")
-    return max(lo, min(x, hi))
-
-
-def scale(xs, k):
-    return [x * k for x in xs]
-'''
+from test_tasks_build import CORE  # the same small project
 
 ADD_BLOCK = CORE[CORE.index("def _check_pair") : CORE.index("def clamp")]
 

@@ -23,28 +23,13 @@ from cadenza.model.tokenizer import train_tokenizer
 from cadenza.train.checkpoint import list_checkpoints
 from cadenza.train.corpus import corpus_files
 from cadenza.train.pretrain import PretrainError, pretrain
+from test_pretrain import TINY_MODEL_AND_DATA
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 6
 TINIER = [
-    "model.vocab_size=512",
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.moe_intermediate_size=16",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=2",
-    "model.q_lora_rank=16",
-    "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=8",
-    "model.qk_rope_head_dim=8",
-    "model.v_head_dim=8",
-    "model.n_routed_experts=4",
-    "model.num_experts_per_tok=2",
-    "data.max_files=30",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "data.val_fraction=0.1",
+    *TINY_MODEL_AND_DATA,
     f"train.steps={STEPS}",
     "optim.warmup_steps=2",
     "optim.lr=0.01",

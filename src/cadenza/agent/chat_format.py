@@ -20,6 +20,7 @@ closing of the message, and the next messages. So an assistant turn's span is
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ def _tool_call_json(call: dict[str, Any]) -> str:
     return json.dumps({"name": fn.get("name", ""), "arguments": args}, ensure_ascii=False)
 
 
-class ChatFormat:
+class ChatFormat(abc.ABC):
     """What the harness and the server need from a template (see module docstring)."""
 
     name = "base"
@@ -100,23 +101,28 @@ class ChatFormat:
     # --- to be provided by a template ---
     stop_token_ids: list[int] = []
 
+    @abc.abstractmethod
     def prompt_ids(
         self, messages: Sequence[Message], tools: Sequence[dict] | None = None
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of the opening messages and each one's [start, end) span."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def generation_prompt_ids(self) -> list[int]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def close_assistant_ids(self, generated: Sequence[int]) -> list[int]:
         """Ids that end an assistant message after `generated` (empty when it ended itself)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def message_ids(self, message: Message, history: Sequence[Message] = ()) -> list[int]:
         """Ids of one whole non-assistant message appended after `history`."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def assistant_body_ids(self, message: Message) -> list[int]:
         """Ids an assistant message would have been sampled as (content, calls, stop)."""
         raise NotImplementedError

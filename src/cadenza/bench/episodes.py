@@ -76,50 +76,13 @@ def _grade(patch: str, scratch: Path) -> bool:
 
 
 def _command_runner():
-    """cadenza.sandbox.run when it is installed, else a plain subprocess (said in the output)."""
-    try:
-        from cadenza.sandbox import isolation
+    """The real sandbox runs the tools (None: the harness's default, cadenza.sandbox.run)."""
+    from cadenza.sandbox import isolation
 
-        iso = isolation()
-        return None, "cadenza.sandbox (" + (
-            "bubblewrap" if iso.bwrap else "UNSAFE: no bubblewrap"
-        ) + ")"
-    except ImportError:
-        pass
-
-    def run(
-        argv, workspace, *, timeout, memory_mb=None, env=None, ro_binds=(), cwd=None, unsafe=False
-    ):
-        from types import SimpleNamespace
-
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(
-                argv,
-                cwd=cwd or workspace,
-                capture_output=True,
-                timeout=timeout,
-                env={**os.environ, **(env or {})},
-            )
-            return SimpleNamespace(
-                returncode=p.returncode,
-                stdout=p.stdout.decode(errors="replace"),
-                stderr=p.stderr.decode(errors="replace"),
-                timed_out=False,
-                truncated=False,
-                duration_s=time.perf_counter() - t0,
-            )
-        except subprocess.TimeoutExpired:
-            return SimpleNamespace(
-                returncode=-9,
-                stdout="",
-                stderr="",
-                timed_out=True,
-                truncated=False,
-                duration_s=timeout,
-            )
-
-    return run, "plain subprocess (cadenza.sandbox not installed)"
+    iso = isolation()
+    return None, "cadenza.sandbox (" + (
+        "bubblewrap" if iso.bwrap else "UNSAFE: no bubblewrap"
+    ) + ")"
 
 
 def _tokenizer():
